@@ -1,0 +1,156 @@
+"""`GenerationClient` and `AsyncGenerationClient`: typed /generate over httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import httpx
+
+from rollout_sidecar.client.http import RetryPolicy, SidecarError, auth_headers, should_retry
+from rollout_sidecar.client.schema import (
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    SamplingConfig,
+)
+
+
+def _request_body(prompts: list[str] | None, prompt_token_ids: list[list[int]] | None,
+                  sampling: SamplingConfig | dict | None, min_weight_version: int | None,
+                  ) -> dict[str, Any]:
+    req = GenerateRequest(
+        prompts=prompts, prompt_token_ids=prompt_token_ids,
+        sampling=SamplingConfig.model_validate(sampling or {}),
+        min_weight_version=min_weight_version,
+    )
+    return req.model_dump(exclude_none=True)
+
+
+class GenerationClient:
+    """Blocking client. `base_url` defaults to $ROLLOUT_SIDECAR_URL, the token
+    to $ROLLOUT_SIDECAR_API_TOKEN."""
+
+    def __init__(self, base_url: str | None = None, token: str | None = None,
+                 timeout: float = 300.0, retry: RetryPolicy | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        base_url = base_url or os.environ.get("ROLLOUT_SIDECAR_URL", "http://127.0.0.1:8000")
+        token = token if token is not None else os.environ.get("ROLLOUT_SIDECAR_API_TOKEN")
+        self.retry = retry or RetryPolicy()
+        self._http = httpx.Client(base_url=base_url, headers=auth_headers(token),
+                                  timeout=timeout, transport=transport)
+
+    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        for attempt in range(self.retry.attempts):
+            exc, r = None, None
+            try:
+                r = self._http.request(method, path, **kw)
+            except httpx.TransportError as e:
+                exc = e
+            last = attempt == self.retry.attempts - 1
+            if not should_retry(exc, r) or last:
+                if exc is not None:
+                    raise exc
+                assert r is not None
+                if r.is_error:
+                    raise SidecarError.from_response(r)
+                return r
+            time.sleep(self.retry.delay(attempt))
+        raise AssertionError("unreachable")
+
+    def generate(self, prompts: list[str] | None = None, *,
+                 prompt_token_ids: list[list[int]] | None = None,
+                 sampling: SamplingConfig | dict | None = None,
+                 min_weight_version: int | None = None) -> GenerateResponse:
+        body = _request_body(prompts, prompt_token_ids, sampling, min_weight_version)
+        return GenerateResponse.model_validate(self._call("POST", "/generate", json=body).json())
+
+    def info(self) -> InfoResponse:
+        return InfoResponse.model_validate(self._call("GET", "/info").json())
+
+    def wait_until_ready(self, timeout: float = 300.0, poll_s: float = 1.0) -> None:
+        """Block until GET /ready answers 200, or raise TimeoutError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self._http.get("/ready").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self._http.base_url} not ready after {timeout:.0f}s")
+            time.sleep(poll_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncGenerationClient:
+    """The same API as `GenerationClient`, for asyncio loops."""
+
+    def __init__(self, base_url: str | None = None, token: str | None = None,
+                 timeout: float = 300.0, retry: RetryPolicy | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        base_url = base_url or os.environ.get("ROLLOUT_SIDECAR_URL", "http://127.0.0.1:8000")
+        token = token if token is not None else os.environ.get("ROLLOUT_SIDECAR_API_TOKEN")
+        self.retry = retry or RetryPolicy()
+        self._http = httpx.AsyncClient(base_url=base_url, headers=auth_headers(token),
+                                       timeout=timeout, transport=transport)
+
+    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        for attempt in range(self.retry.attempts):
+            exc, r = None, None
+            try:
+                r = await self._http.request(method, path, **kw)
+            except httpx.TransportError as e:
+                exc = e
+            last = attempt == self.retry.attempts - 1
+            if not should_retry(exc, r) or last:
+                if exc is not None:
+                    raise exc
+                assert r is not None
+                if r.is_error:
+                    raise SidecarError.from_response(r)
+                return r
+            await asyncio.sleep(self.retry.delay(attempt))
+        raise AssertionError("unreachable")
+
+    async def generate(self, prompts: list[str] | None = None, *,
+                       prompt_token_ids: list[list[int]] | None = None,
+                       sampling: SamplingConfig | dict | None = None,
+                       min_weight_version: int | None = None) -> GenerateResponse:
+        body = _request_body(prompts, prompt_token_ids, sampling, min_weight_version)
+        r = await self._call("POST", "/generate", json=body)
+        return GenerateResponse.model_validate(r.json())
+
+    async def info(self) -> InfoResponse:
+        return InfoResponse.model_validate((await self._call("GET", "/info")).json())
+
+    async def wait_until_ready(self, timeout: float = 300.0, poll_s: float = 1.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if (await self._http.get("/ready")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self._http.base_url} not ready after {timeout:.0f}s")
+            await asyncio.sleep(poll_s)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncGenerationClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,180 @@
+{{/*
+The server container and the pod pieces it needs. One definition serves the Deployment
+(service mode), the example Job (sidecar mode) and users' own charts.
+
+Public named templates, each rendering YAML list items; call them with this chart's scope
+(inside this chart: `.`; from a parent chart: `index .Subcharts "rollout-sidecar"`):
+  rollout-sidecar.sidecarContainer  under `initContainers:`: the server as a native sidecar
+  rollout-sidecar.volumes           under `volumes:`: shm, cache and (pvc source) the model
+  rollout-sidecar.clientEnv         under the trainer's `env:`: URL and token secretKeyRefs
+  rollout-sidecar.shmVolumeMount    under the trainer's `volumeMounts:`: the shared /dev/shm
+*/}}
+
+{{- define "rollout-sidecar.sidecarContainer" -}}
+{{ include "rollout-sidecar.serverContainer" (dict "ctx" . "sidecar" true) }}
+{{- end }}
+
+{{/* Call with (dict "ctx" <chart scope> "sidecar" <bool>). */}}
+{{- define "rollout-sidecar.serverContainer" -}}
+{{- $ctx := .ctx }}
+{{- $v := $ctx.Values }}
+{{- $s := $v.server }}
+{{- include "rollout-sidecar.validate" $ctx -}}
+- name: rollout-sidecar
+  image: {{ include "rollout-sidecar.image" (list $s.image $ctx) | quote }}
+  imagePullPolicy: {{ $s.image.pullPolicy }}
+  {{- if .sidecar }}
+  # Native sidecar: starts before the trainer (once its startup probe passes) and is stopped
+  # after the trainer exits, so the Job completes.
+  restartPolicy: Always
+  {{- end }}
+  command: ["rollout-sidecar", "serve"]
+  ports:
+    - name: http
+      containerPort: {{ int $s.port }}
+      protocol: TCP
+    - name: data-plane
+      containerPort: {{ int $s.dataPlanePort }}
+      protocol: TCP
+  env:
+    # Probes reach the pod IP, so the server must not bind to loopback only.
+    - name: ROLLOUT_SIDECAR_HOST
+      value: "0.0.0.0"
+    - name: ROLLOUT_SIDECAR_PORT
+      value: {{ int $s.port | quote }}
+    - name: ROLLOUT_SIDECAR_DATA_PLANE_PORT
+      value: {{ int $s.dataPlanePort | quote }}
+    - name: ROLLOUT_SIDECAR_DTYPE
+      value: {{ $s.dtype | quote }}
+    - name: ROLLOUT_SIDECAR_CACHE_DIR
+      value: {{ $v.cache.mountPath | quote }}
+    {{- with (include "rollout-sidecar.modelPath" $ctx) }}
+    - name: ROLLOUT_SIDECAR_MODEL
+      value: {{ . | quote }}
+    {{- end }}
+    {{- if $s.maxModelLen }}
+    - name: ROLLOUT_SIDECAR_MAX_MODEL_LEN
+      value: {{ int $s.maxModelLen | quote }}
+    {{- end }}
+    {{- if $s.gpuMemoryUtilization }}
+    - name: ROLLOUT_SIDECAR_GPU_MEMORY_UTILIZATION
+      value: {{ $s.gpuMemoryUtilization | quote }}
+    {{- end }}
+    {{- include "rollout-sidecar.tokenEnv" $ctx | nindent 4 }}
+    {{- range $name, $value := $s.engineEnv }}
+    - name: {{ $name }}
+      value: {{ $value | toString | quote }}
+    {{- end }}
+  {{- include "rollout-sidecar.resources" $s | nindent 2 }}
+  {{- with $s.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  startupProbe:
+    httpGet:
+      path: /health
+      port: http
+    {{- toYaml $s.probes.startup | nindent 4 }}
+  livenessProbe:
+    httpGet:
+      path: /health
+      port: http
+    {{- toYaml $s.probes.liveness | nindent 4 }}
+  readinessProbe:
+    httpGet:
+      path: /ready
+      port: http
+    {{- toYaml $s.probes.readiness | nindent 4 }}
+  volumeMounts:
+    - name: rollout-sidecar-shm
+      mountPath: /dev/shm
+    - name: rollout-sidecar-cache
+      mountPath: {{ $v.cache.mountPath }}
+    {{- if eq $v.model.source "pvc" }}
+    - name: rollout-sidecar-model
+      mountPath: {{ $v.model.pvc.mountPath }}
+      readOnly: true
+    {{- end }}
+{{- end }}
+
+{{/* ROLLOUT_SIDECAR_MODEL; empty for the embedded default model. */}}
+{{- define "rollout-sidecar.modelPath" -}}
+{{- $m := .Values.model }}
+{{- if eq $m.source "image" }}
+{{- $m.path }}
+{{- else if eq $m.source "pvc" }}
+{{- if $m.pvc.subPath }}
+{{- printf "%s/%s" (trimSuffix "/" $m.pvc.mountPath) $m.pvc.subPath }}
+{{- else }}
+{{- $m.pvc.mountPath }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Token env for server and trainer alike, always by secretKeyRef. The API token is optional
+(unset leaves /generate open); the admin token is required, so a Secret without it stops the
+pod with CreateContainerConfigError instead of running a server that refuses every push.
+*/}}
+{{- define "rollout-sidecar.tokenEnv" -}}
+{{- with (include "rollout-sidecar.secretName" .) -}}
+- name: ROLLOUT_SIDECAR_API_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.auth.apiTokenKey }}
+      optional: true
+- name: ROLLOUT_SIDECAR_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.auth.adminTokenKey }}
+{{- end }}
+{{- end }}
+
+{{/* Requests and limits, with the GPU count added to both (extended resources need equal values). */}}
+{{- define "rollout-sidecar.resources" -}}
+{{- $requests := deepCopy (default dict .resources.requests) }}
+{{- $limits := deepCopy (default dict .resources.limits) }}
+{{- if gt (int .gpu.count) 0 }}
+{{- $_ := set $requests .gpu.resourceName (int .gpu.count) }}
+{{- $_ = set $limits .gpu.resourceName (int .gpu.count) }}
+{{- end -}}
+resources:
+  {{- with $requests }}
+  requests:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $limits }}
+  limits:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+
+{{- define "rollout-sidecar.volumes" -}}
+# RAM-backed, so NCCL/gloo and torch multiprocessing get more than the runtime's 64Mi.
+- name: rollout-sidecar-shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.shm.sizeLimit }}
+- name: rollout-sidecar-cache
+  emptyDir:
+    sizeLimit: {{ .Values.cache.sizeLimit }}
+{{- if eq .Values.model.source "pvc" }}
+- name: rollout-sidecar-model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "rollout-sidecar.clientEnv" -}}
+- name: ROLLOUT_SIDECAR_URL
+  value: {{ printf "http://localhost:%d" (int .Values.server.port) | quote }}
+{{ include "rollout-sidecar.tokenEnv" . }}
+{{- end }}
+
+{{- define "rollout-sidecar.shmVolumeMount" -}}
+- name: rollout-sidecar-shm
+  mountPath: /dev/shm
+{{- end }}

@@ -1,0 +1,2 @@
+"""Server side of rollout-sidecar: vLLM's AsyncLLM behind FastAPI, plus the
+weight routes that stage, verify and atomically commit pushed weights."""

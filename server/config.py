@@ -1,0 +1,72 @@
+"""Server settings: environment (`ROLLOUT_SIDECAR_*`), then CLI flags on top."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from rollout_sidecar.client.schema import CommitPolicy
+
+
+class ServerSettings(BaseSettings):
+    """Everything `rollout-sidecar serve` can be told.
+
+    Tokens are `SecretStr` so they never print in a repr, a log line or /info.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_SIDECAR_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    model: str | None = Field(
+        None, description="Local HF checkpoint dir; unset serves the embedded default model."
+    )
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "rollout-sidecar",
+        description="Where the embedded default model is built once.",
+    )
+    dtype: str = Field("bfloat16", description="Serving dtype; pushes are cast to it.")
+    max_model_len: int = Field(1024, ge=16)
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of device memory (of node memory on CPU) for weights + KV cache.",
+    )
+    max_num_seqs: int = Field(256, ge=1, description="Sequences batched at once.")
+    enforce_eager: bool = Field(True, description="Skip graph capture: faster start.")
+    seed: int = Field(0, description="Engine seed.")
+
+    api_token: SecretStr | None = Field(
+        None, description="Bearer token for /generate and /info. Unset: open."
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Bearer token for /weights/*. Must differ from api_token. "
+        "Unset: weight routes refuse every call.",
+    )
+
+    commit_policy: CommitPolicy = Field(
+        "wait", description="In-flight requests at a weight commit: wait | abort | keep."
+    )
+    data_plane_port: int = Field(
+        29600, ge=0, le=65535, description="TCPStore port trainers rendezvous on (gloo/NCCL)."
+    )
+    data_plane_host: str = Field(
+        "0.0.0.0", description="Address the data-plane TCPStore listens on."
+    )
+    push_timeout_s: float = Field(
+        600.0, gt=0, description="Deadline for one push, begin to commit."
+    )
+    min_version_wait_s: float = Field(
+        60.0, ge=0, description="How long /generate waits for min_weight_version before 409."
+    )
+    drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: time to finish requests.")
+
+    def model_post_init(self, _context: object) -> None:
+        api = self.api_token.get_secret_value() if self.api_token else None
+        admin = self.admin_token.get_secret_value() if self.admin_token else None
+        if admin is not None and admin == api:
+            raise ValueError("admin_token must differ from api_token")

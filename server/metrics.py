@@ -1,0 +1,74 @@
+"""Prometheus metrics, in a registry of our own (one per app, so tests can
+build several apps in one process without duplicate-metric errors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "rollout_sidecar_requests_total", "HTTP requests.", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "rollout_sidecar_request_latency_seconds", "HTTP request latency.", ["route"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r,
+        )
+        self.generated_tokens = Counter(
+            "rollout_sidecar_generated_tokens_total", "Tokens sampled.", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "rollout_sidecar_prompt_tokens_total", "Prompt tokens processed.", registry=r
+        )
+        self.running = Gauge(
+            "rollout_sidecar_requests_running", "Sequences the engine is running.", registry=r
+        )
+        self.waiting = Gauge(
+            "rollout_sidecar_requests_waiting",
+            "Sequences queued in the engine.", registry=r,
+        )
+        self.gate_waiting = Gauge(
+            "rollout_sidecar_requests_gated", "Requests held by a commit or min_weight_version.",
+            registry=r,
+        )
+        self.weight_version = Gauge(
+            "rollout_sidecar_weight_version", "Committed weight version.", registry=r
+        )
+        self.pushes = Counter(
+            "rollout_sidecar_weight_pushes_total", "Weight pushes by outcome.", ["outcome"],
+            registry=r,
+        )
+        self.push_seconds = Histogram(
+            "rollout_sidecar_weight_push_seconds", "Begin-to-commit time of a push.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300), registry=r,
+        )
+        self.commit_seconds = Histogram(
+            "rollout_sidecar_weight_commit_seconds", "Pause-load-resume time of a commit.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r,
+        )
+
+    def stat_logger_factory(self) -> Any:
+        """A vLLM stat-logger class that copies scheduler stats into our gauges."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        metrics = self
+
+        class _SchedulerGauges(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any,
+                       mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    metrics.running.set(scheduler_stats.num_running_reqs)
+                    metrics.waiting.set(scheduler_stats.num_waiting_reqs)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _SchedulerGauges

@@ -1,0 +1,54 @@
+"""Liveness, readiness and model info."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+
+from rollout_sidecar.client.schema import HealthResponse, InfoResponse
+from rollout_sidecar.server.auth import require_api_token
+
+router = APIRouter()
+
+# /health must answer fast enough for a liveness probe, but only if the engine
+# core really answers: a wedged engine process is not "live".
+HEALTH_TIMEOUT_S = 10.0
+
+
+@router.get("/health", response_model=HealthResponse)
+async def health(request: Request) -> HealthResponse:
+    engine = request.app.state.engine
+    if engine is None or engine.llm is None:
+        raise HTTPException(503, "engine not started")
+    try:
+        await asyncio.wait_for(engine.check_health(), HEALTH_TIMEOUT_S)
+    except Exception as e:
+        raise HTTPException(503, f"engine not answering: {type(e).__name__}") from e
+    return HealthResponse(status="ok")
+
+
+@router.get("/ready", response_model=HealthResponse)
+async def ready(request: Request) -> HealthResponse:
+    state = request.app.state
+    if state.draining:
+        raise HTTPException(503, "shutting down")
+    if not state.ready:
+        raise HTTPException(503, state.not_ready_reason)
+    return HealthResponse(status="ok")
+
+
+@router.get("/info", response_model=InfoResponse, dependencies=[Depends(require_api_token)])
+async def info(request: Request) -> InfoResponse:
+    engine = request.app.state.engine
+    if engine is None or engine.info is None:
+        raise HTTPException(503, "engine not started")
+    return InfoResponse(
+        model=engine.info.model,
+        dtype=engine.info.dtype,
+        max_model_len=engine.info.max_model_len,
+        weight_version=engine.gate.version,
+        num_parameters=engine.index.num_parameters,
+        commit_policy=request.app.state.settings.commit_policy,
+        transports=request.app.state.transports,
+    )

@@ -1,0 +1,59 @@
+"""Admin routes for weight pushes. All need the admin token."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Header, Request
+
+from rollout_sidecar.client.schema import (
+    AbortRequest,
+    BeginRequest,
+    BeginResponse,
+    CommitRequest,
+    CommitResponse,
+    ConnectRequest,
+    ConnectResponse,
+    WeightStatus,
+)
+from rollout_sidecar.server.auth import require_admin_token
+
+TRANSPORTS = ["gloo", "nccl", "http"]
+
+router = APIRouter(prefix="/weights", dependencies=[Depends(require_admin_token)])
+
+
+def _svc(request: Request):  # noqa: ANN202
+    return request.app.state.weights
+
+
+@router.get("/status", response_model=WeightStatus)
+async def status(request: Request) -> WeightStatus:
+    return _svc(request).status()
+
+
+@router.post("/connect", response_model=ConnectResponse)
+async def connect(body: ConnectRequest, request: Request) -> ConnectResponse:
+    return await _svc(request).connect(body)
+
+
+@router.post("/begin", response_model=BeginResponse)
+async def begin(body: BeginRequest, request: Request) -> BeginResponse:
+    return await _svc(request).begin(body)
+
+
+@router.put("/bucket/{index}")
+async def bucket(index: int, request: Request, x_push_id: str = Header(...),
+                 x_checksum: int = Header(...)) -> dict:
+    data = await request.body()
+    await _svc(request).stage_bucket(x_push_id, index, data, x_checksum)
+    return {"bucket": index, "nbytes": len(data)}
+
+
+@router.post("/commit", response_model=CommitResponse)
+async def commit(body: CommitRequest, request: Request) -> CommitResponse:
+    return await _svc(request).commit(body)
+
+
+@router.post("/abort")
+async def abort(body: AbortRequest, request: Request) -> dict:
+    await _svc(request).abort(body.push_id, body.reason)
+    return {"aborted": body.push_id}

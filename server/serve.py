@@ -1,0 +1,37 @@
+"""Run the app under uvicorn, with a SIGTERM that drains before exiting."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import uvicorn
+
+from rollout_sidecar.server.app import create_app
+from rollout_sidecar.server.config import ServerSettings
+
+log = logging.getLogger("rollout_sidecar.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: new requests get 503 at once, in-flight ones finish
+    (up to `drain_timeout_s`), then the engine shuts down."""
+
+    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self._app.state.draining:
+            log.info("signal %s: draining in-flight requests", sig)
+        self._app.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def run_server(settings: ServerSettings, log_level: str = "info") -> None:
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=log_level,
+        timeout_graceful_shutdown=int(settings.drain_timeout_s), access_log=False,
+    )
+    DrainingServer(config, app).run()

@@ -1,0 +1,51 @@
+"""Validate a push manifest against the served checkpoint, before any bytes move."""
+
+from __future__ import annotations
+
+from rollout_sidecar.client.schema import BeginRequest
+from rollout_sidecar.server.checkpoint_index import CheckpointIndex
+from rollout_sidecar.server.engine import BadRequest
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
+             "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) -> None:
+    """Raise `BadRequest` naming the first offending field."""
+    seen: set[str] = set()
+    for bi, bucket in enumerate(req.buckets):
+        where = f"buckets[{bi}]"
+        if bucket.index != bi:
+            raise BadRequest(f"{where}.index is {bucket.index}, expected {bi}", f"{where}.index")
+        if bucket.nbytes <= 0:
+            raise BadRequest(f"{where}.nbytes must be > 0", f"{where}.nbytes")
+        end_prev = 0
+        for pi, p in enumerate(bucket.params):
+            f = f"{where}.params[{pi}]"
+            spec = index.tensors.get(p.name)
+            if spec is None:
+                raise BadRequest(f"unknown parameter {p.name!r}: the served checkpoint has no "
+                                 "such tensor (check name normalisation)", f"{f}.name")
+            if p.name in seen:
+                raise BadRequest(f"parameter {p.name!r} sent twice", f"{f}.name")
+            seen.add(p.name)
+            if tuple(p.shape) != spec.shape:
+                raise BadRequest(f"{p.name}: shape {list(p.shape)}, server expects "
+                                 f"{list(spec.shape)}", f"{f}.shape")
+            if p.dtype != serve_dtype:
+                raise BadRequest(f"{p.name}: dtype {p.dtype}, server serves {serve_dtype} "
+                                 "(the pusher casts; is it talking to another server?)",
+                                 f"{f}.dtype")
+            size = _ITEMSIZE[p.dtype] * spec.numel
+            if p.offset < end_prev or p.offset % _ITEMSIZE[p.dtype]:
+                raise BadRequest(f"{p.name}: offset {p.offset} overlaps or is misaligned",
+                                 f"{f}.offset")
+            end_prev = p.offset + size
+            if end_prev > bucket.nbytes:
+                raise BadRequest(f"{p.name}: ends at byte {end_prev}, bucket has "
+                                 f"{bucket.nbytes}", f"{f}.offset")
+    missing = sorted(set(index.tensors) - seen)
+    if missing and not req.partial:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise BadRequest(f"push is missing {', '.join(missing[:5])}{more} "
+                         "(set partial=true to push a subset)", "buckets")

@@ -1,0 +1,185 @@
+"""Run under torchrun (2 ranks, gloo): shard the served model, step, push, check.
+
+Modes: fsdp2, fsdp1, plain, http (fsdp2 over the HTTP transport), meta,
+bad_shape, bad_checksum, kill (rank 0 dies mid-push). Rank 0 writes a JSON
+report to --out; the pytest side asserts on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def build(model_path: str, mode: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if mode in ("fsdp2", "http", "bad_shape", "bad_checksum", "kill", "meta"):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                     device_id=torch.device("cpu"), use_orig_params=True)
+    return model
+
+
+def trainer_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Full-model logprobs of `tokens` after `prompt` (a collective under FSDP)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    lp = torch.log_softmax(logits[0, len(prompt) - 1:-1], dim=-1)
+    return lp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from rollout_sidecar.trainer.gather import iter_full_tensors
+
+    return {n: t.detach().clone() for n, t in iter_full_tensors(model)}
+
+
+def reference(model_path: str, dtype: torch.dtype, state: dict | None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    if state is not None:
+        m.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    return m.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True)
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--version", type=int, default=1)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+
+    from rollout_sidecar.client import GenerationClient
+    from rollout_sidecar.trainer import MetaDeviceError, WeightPusher, WeightPushError
+
+    model = build(args.model, args.mode)
+    transport = "http" if args.mode == "http" else "gloo"
+    pusher = WeightPusher(args.url, transport=transport, bucket_mb=1)
+    client = GenerationClient(args.url) if rank == 0 else None
+    report: dict = {"mode": args.mode}
+    prompt = list(b"the quick brown fox")
+
+    if args.mode == "meta":
+        # A module left on the meta device after sharding must never be pushed.
+        with torch.device("meta"):
+            model.model.layers[1].mlp.up_proj = torch.nn.Linear(256, 512, bias=False)
+        try:
+            pusher.push(model, version=args.version)
+            report["error"] = None
+        except MetaDeviceError as e:
+            report["error"] = str(e)
+    else:
+        before = client.info().weight_version if client else None
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        batch = torch.randint(0, 256, (4, 32))
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        if args.mode == "bad_shape":
+            _break_manifest(pusher)
+        if args.mode == "bad_checksum":
+            _break_checksums(pusher)
+        if args.mode == "kill":
+            _die_mid_push(pusher, rank)
+        try:
+            res = pusher.push(model, version=args.version)
+            report.update(error=None, timings=res.timings, nbytes=res.nbytes)
+        except WeightPushError as e:
+            report["error"] = str(e)
+        report["version_before"] = before
+        # Sample from the server, score the same tokens with the trainer's model.
+        out = None
+        if rank == 0:
+            out = client.generate(prompt_token_ids=[prompt], sampling=dict(
+                n=4, max_tokens=24, temperature=1.0, seed=7))
+        box = [out.model_dump() if out else None]
+        dist.broadcast_object_list(box, src=0)
+        served = box[0]
+        # References: the trainer's own fp32 forward (sharded, a collective), the
+        # same gathered weights in a plain bf16 transformers model (what the
+        # server should equal), and the weights from before the step.
+        post_bf16 = reference(args.model, torch.bfloat16, gathered(model))
+        pre = reference(args.model, torch.float32, None)
+        d = {"fp32": [], "bf16": [], "pre": []}
+        for smp in served["results"][0]["samples"]:
+            toks, lps = smp["token_ids"], smp["logprobs"]
+            for key, m in (("fp32", model), ("bf16", post_bf16), ("pre", pre)):
+                d[key] += [abs(a - b) for a, b in zip(trainer_logprobs(m, prompt, toks), lps,
+                                                      strict=True)]
+        report.update(version_after=served["weight_version"],
+                      **{f"mean_abs_dlogp_{k}": sum(v) / len(v) for k, v in d.items()},
+                      **{f"max_abs_dlogp_{k}": max(v) for k, v in d.items()})
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    dist.destroy_process_group()
+
+
+def _break_manifest(pusher) -> None:
+    """Wrong shape for one tensor: the server must reject it at begin."""
+    from rollout_sidecar.trainer import buckets as b
+
+    orig = b.manifest
+
+    def bad(buckets, dtype):
+        m = orig(buckets, dtype)
+        m[0]["params"][0]["shape"][0] += 1
+        return m
+
+    import rollout_sidecar.trainer.pusher as p
+
+    p.manifest = bad
+
+
+def _break_checksums(pusher) -> None:
+    """Send one bucket's bytes flipped after checksumming: the server's CRC check fails."""
+    if pusher.transport is None:
+        return
+    send = pusher.transport.send
+
+    def corrupt(index, buf, push_id, checksum):
+        if index == 1:
+            buf[0] ^= 0xFF
+        return send(index, buf, push_id, checksum)
+
+    pusher.transport.send = corrupt
+
+
+def _die_mid_push(pusher, rank: int) -> None:
+    """Rank 0 vanishes after sending two buckets (as if OOM-killed)."""
+    if pusher.transport is None or os.environ.get("PUSH_KILLED_ONCE"):
+        return
+    send = pusher.transport.send
+
+    def die(index, buf, push_id, checksum):
+        if index == 2:
+            os._exit(17)
+        return send(index, buf, push_id, checksum)
+
+    pusher.transport.send = die
+
+
+if __name__ == "__main__":
+    main()

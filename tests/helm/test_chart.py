@@ -1,0 +1,429 @@
+"""The Helm chart, linted and rendered offline, and its manifests checked against the
+Kubernetes API schemas: what `helm install` would create, without a cluster."""
+
+from __future__ import annotations
+
+import base64
+import re
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+helm = pytest.importorskip(
+    "helm_python", reason="helm-python-sdk (the Helm v4 SDK) is needed to render the chart"
+)
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate is needed to check rendered manifests"
+)
+from kubernetes_validate.utils import latest_version  # noqa: E402
+
+pytestmark = pytest.mark.helm
+
+# The oldest API the chart supports (Chart.yaml kubeVersion) and the newest the validator
+# ships: fields added later, or APIs removed since, both fail.
+KUBE_VERSIONS = ("1.30.0", latest_version())
+SHM_VOLUME = "rollout-sidecar-shm"
+SERVER = "rollout-sidecar"
+TOKEN_ENV = ("ROLLOUT_SIDECAR_API_TOKEN", "ROLLOUT_SIDECAR_ADMIN_TOKEN")
+
+
+# ---- lookups -------------------------------------------------------------------------------
+
+
+def objects(manifests: list[dict], kind: str) -> list[dict]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def one(manifests: list[dict], kind: str) -> dict:
+    found = objects(manifests, kind)
+    assert len(found) == 1, f"expected one {kind}, got {[m['metadata']['name'] for m in found]}"
+    return found[0]
+
+
+def pod_specs(manifests: list[dict]) -> list[dict]:
+    return [m["spec"]["template"]["spec"] for m in manifests if m["kind"] in ("Deployment", "Job")]
+
+
+def containers(pod: dict) -> list[dict]:
+    return pod.get("initContainers", []) + pod["containers"]
+
+
+def server_container(manifests: list[dict]) -> dict:
+    (pod,) = pod_specs(manifests)
+    (server,) = [c for c in containers(pod) if c["name"] == SERVER]
+    return server
+
+
+def env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+# ---- lint, schema validation ---------------------------------------------------------------
+
+
+def test_ci_values_lint_clean(ci_file: Path, chart_dir: Path, load_values) -> None:
+    report = helm.lint(
+        chart_dir, load_values(ci_file), strict=True, kube_version=f"v{KUBE_VERSIONS[0]}"
+    )
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
+    assert not problems and not report["errors"], problems or report["errors"]
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_ci_manifests_valid_kubernetes_objects(
+    ci_file: Path, kube_version: str, render, load_values
+) -> None:
+    manifests = render(load_values(ci_file))
+    assert manifests
+    for manifest in manifests:
+        if manifest["kind"] == "ServiceMonitor":
+            check_service_monitor(manifest, manifests)
+        else:
+            kubernetes_validate.validate(manifest, kube_version, strict=True)
+
+
+# kubernetes-validate ships only the built-in API's schemas, not CRDs such as the Prometheus
+# Operator's ServiceMonitor, so it is checked here: the fields the CRD requires, no field
+# outside the subset of monitoring.coreos.com/v1 the chart uses (a typo would be silently
+# dropped by the API server), and that it really scrapes /metrics of the server's Service.
+SERVICE_MONITOR_SPEC = {"selector", "endpoints"}
+SERVICE_MONITOR_ENDPOINT = {"port", "path", "interval", "scrapeTimeout"}
+
+
+def check_service_monitor(monitor: dict, manifests: list[dict]) -> None:
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["name"]
+    spec = monitor["spec"]
+    assert set(spec) == SERVICE_MONITOR_SPEC
+    selector = spec["selector"]
+    assert set(selector) <= {"matchLabels", "matchExpressions"}
+    (service,) = [
+        s
+        for s in objects(manifests, "Service")
+        if labels_match(selector["matchLabels"], s["metadata"]["labels"])
+        and all(
+            e["operator"] == "DoesNotExist" and e["key"] not in s["metadata"]["labels"]
+            for e in selector.get("matchExpressions", [])
+        )
+    ]
+    assert service["spec"].get("clusterIP") != "None", "scrapes the headless Service"
+    for endpoint in spec["endpoints"]:
+        assert set(endpoint) <= SERVICE_MONITOR_ENDPOINT
+        assert endpoint["path"] == "/metrics"
+        assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+        assert re.fullmatch(r"\d+(ms|s|m|h)", endpoint["interval"])
+
+
+def test_bad_values_rejected_naming_the_field(bad_file: Path, render, load_values) -> None:
+    expected = re.search(r"^# expect: (.+)$", bad_file.read_text(), re.M)
+    assert expected, f"{bad_file.name} lacks an '# expect: <text in the error>' line"
+    with pytest.raises(helm.HelmError) as error:
+        render(load_values(bad_file))
+    for text in expected.group(1).split():
+        assert text in str(error.value)
+
+
+# ---- service mode --------------------------------------------------------------------------
+
+
+def test_service_mode_objects(render) -> None:
+    manifests = render()
+    assert sorted(m["kind"] for m in manifests) == [
+        "Deployment",
+        "NetworkPolicy",
+        "Service",
+        "Service",
+    ]
+    deployment = one(manifests, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for service in objects(manifests, "Service"):
+        assert labels_match(service["spec"]["selector"], pod_labels)
+        assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http", "data-plane"}
+    # Trainers must reach replicas that are not ready yet: /ready waits for committed weights.
+    (headless,) = [s for s in objects(manifests, "Service") if s["spec"].get("clusterIP")]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_probes_ports_and_startup_budget(render) -> None:
+    server = server_container(render())
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    assert ports == {"http": 8000, "data-plane": 29600}
+    assert env(server)["ROLLOUT_SIDECAR_PORT"]["value"] == "8000"
+    assert env(server)["ROLLOUT_SIDECAR_DATA_PLANE_PORT"]["value"] == "29600"
+    assert env(server)["ROLLOUT_SIDECAR_HOST"]["value"] == "0.0.0.0"  # probes hit the pod IP
+    for probe, path in (("startupProbe", "/health"), ("livenessProbe", "/health")):
+        assert server[probe]["httpGet"] == {"path": path, "port": "http"}
+    assert server["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    startup = server["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60
+
+    longer = server_container(render(server={"probes": {"startup": {"failureThreshold": 360}}}))
+    assert longer["startupProbe"]["failureThreshold"] == 360
+
+
+def test_security_context_and_graceful_stop(render) -> None:
+    (pod,) = pod_specs(render())
+    assert pod["terminationGracePeriodSeconds"] >= 60  # the server drains for up to 60 s
+    assert pod["enableServiceLinks"] is False
+    context = server_container(render())["securityContext"]
+    assert context["runAsNonRoot"] is True
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"]["drop"] == ["ALL"]
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_gpu_off_by_default_and_requested_when_asked(render) -> None:
+    default = server_container(render())["resources"]
+    assert not any("gpu" in name for part in default.values() for name in part)
+    gpu = server_container(render(server={"gpu": {"count": 2}}))["resources"]
+    assert gpu["requests"]["nvidia.com/gpu"] == gpu["limits"]["nvidia.com/gpu"] == 2
+    assert gpu["requests"]["memory"] == "8Gi"  # the other defaults stay
+
+
+@pytest.mark.parametrize(
+    ("model", "expected_path", "claim"),
+    [
+        ({"source": "embedded"}, None, None),
+        ({"source": "image", "path": "/opt/models/llama"}, "/opt/models/llama", None),
+        (
+            {"source": "pvc", "pvc": {"claimName": "ckpts", "subPath": "qwen/step-100"}},
+            "/models/qwen/step-100",
+            "ckpts",
+        ),
+        ({"source": "pvc", "pvc": {"claimName": "ckpts"}}, "/models", "ckpts"),
+    ],
+    ids=["embedded", "image", "pvc-subpath", "pvc-root"],
+)
+def test_model_source(render, model: dict, expected_path: str | None, claim: str | None) -> None:
+    manifests = render(model=model)
+    server = server_container(manifests)
+    assert env(server).get("ROLLOUT_SIDECAR_MODEL", {}).get("value") == expected_path
+    (pod,) = pod_specs(manifests)
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    if claim is None:
+        assert not claims
+        return
+    (name,) = claims
+    assert claims[name] == {"claimName": claim, "readOnly": True}
+    (mount,) = [m for m in server["volumeMounts"] if m["name"] == name]
+    assert mount == {"name": name, "mountPath": "/models", "readOnly": True}
+    # The embedded model is built into the cache dir; it must be writable in every case.
+    assert env(server)["ROLLOUT_SIDECAR_CACHE_DIR"]["value"] == "/var/cache/rollout-sidecar"
+
+
+def test_shm_is_memory_with_size_limit_and_shared(ci_file: Path, render, load_values) -> None:
+    values = load_values(ci_file)
+    size = values.get("shm", {}).get("sizeLimit", "2Gi")
+    for pod in pod_specs(render(values)):
+        (shm,) = [v for v in pod["volumes"] if v["name"] == SHM_VOLUME]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": size}
+        for container in containers(pod):  # server and, in sidecar mode, trainer
+            assert {"name": SHM_VOLUME, "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+# ---- tokens --------------------------------------------------------------------------------
+
+
+def test_no_literal_token_in_any_env(ci_file: Path, render, load_values) -> None:
+    values = load_values(ci_file)
+    secrets = [t for t in values.get("auth", {}).values() if isinstance(t, str) and len(t) > 8]
+    for pod in pod_specs(render(values)):
+        for container in containers(pod):
+            for entry in container.get("env", []):
+                if "TOKEN" in entry["name"]:
+                    assert "value" not in entry and "secretKeyRef" in entry["valueFrom"]
+                assert not any(s in str(entry.get("value", "")) for s in secrets), entry["name"]
+
+
+def test_existing_secret_referenced_by_name_and_key(render) -> None:
+    manifests = render(
+        auth={"existingSecret": "my-tokens", "apiTokenKey": "api", "adminTokenKey": "admin"}
+    )
+    assert not objects(manifests, "Secret")
+    refs = {n: env(server_container(manifests))[n]["valueFrom"]["secretKeyRef"] for n in TOKEN_ENV}
+    assert refs["ROLLOUT_SIDECAR_API_TOKEN"] == {
+        "name": "my-tokens",
+        "key": "api",
+        "optional": True,
+    }
+    assert refs["ROLLOUT_SIDECAR_ADMIN_TOKEN"] == {"name": "my-tokens", "key": "admin"}
+
+
+def test_created_secret_holds_the_tokens_it_is_referenced_by(render) -> None:
+    api, admin = "a" * 32, "b" * 32
+    manifests = render(auth={"create": True, "apiToken": api, "adminToken": admin})
+    secret = one(manifests, "Secret")
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert data == {"api-token": api, "admin-token": admin}
+    server_env = env(server_container(manifests))
+    for name in TOKEN_ENV:
+        assert server_env[name]["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+
+
+def test_no_secret_means_no_token_env(render) -> None:
+    manifests = render()
+    assert not objects(manifests, "Secret")
+    assert not set(env(server_container(manifests))) & set(TOKEN_ENV)
+
+
+# ---- NetworkPolicy -------------------------------------------------------------------------
+
+
+def ingress_by_port(policy: dict) -> dict[str, list[dict]]:
+    rules: dict[str, list[dict]] = {}
+    for rule in policy["spec"]["ingress"]:
+        assert rule.get("ports"), "a rule without ports would open every port"
+        for port in rule["ports"]:
+            rules.setdefault(port["port"], []).extend(rule["from"])
+    return rules
+
+
+@pytest.mark.parametrize("ci_name", ["service-default", "service-gpu-pvc"])
+def test_network_policy_admits_trainers_to_data_plane_only(ci_name: str, render, ci_values):
+    values = ci_values[ci_name]
+    manifests = render(values)
+    policy = one(manifests, "NetworkPolicy")
+    pod_labels = one(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert labels_match(policy["spec"]["podSelector"]["matchLabels"], pod_labels)
+    net = values.get("networkPolicy", {})
+    # Configured trainer labels replace the default rather than being merged with it.
+    trainer_labels = net.get("trainerPodLabels") or {"rollout-sidecar/role": "trainer"}
+    trainer: dict[str, Any] = {"podSelector": {"matchLabels": trainer_labels}}
+    if net.get("trainerNamespaceLabels"):
+        trainer["namespaceSelector"] = {"matchLabels": net["trainerNamespaceLabels"]}
+    rules = ingress_by_port(policy)
+    assert set(rules) == {"http", "data-plane"}
+    assert rules["data-plane"] == [trainer]
+    assert rules["http"] == [trainer, *net.get("httpClients", [])]
+
+
+def test_network_policy_off_when_disabled(render) -> None:
+    assert not objects(render(networkPolicy={"enabled": False}), "NetworkPolicy")
+
+
+# ---- sidecar mode --------------------------------------------------------------------------
+
+SIDECAR = {"mode": "sidecar", "job": {"trainer": {"command": ["python", "train.py"]}}}
+
+
+def test_sidecar_job_runs_server_as_native_sidecar(render, ci_values) -> None:
+    values = ci_values["sidecar"]
+    manifests = render(values)
+    assert sorted(m["kind"] for m in manifests) == ["Job", "NetworkPolicy"]
+    job = one(manifests, "Job")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    (sidecar,) = pod["initContainers"]
+    assert sidecar["name"] == SERVER and sidecar["restartPolicy"] == "Always"
+    # The kubelet starts the trainer only once this probe passes.
+    assert sidecar["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    (trainer,) = pod["containers"]
+    assert trainer["command"] == values["job"]["trainer"]["command"]
+    trainer_env = env(trainer)
+    assert trainer_env["ROLLOUT_SIDECAR_URL"] == {
+        "name": "ROLLOUT_SIDECAR_URL",
+        "value": "http://localhost:8000",
+    }
+    for name in TOKEN_ENV:
+        assert trainer_env[name]["valueFrom"] == env(sidecar)[name]["valueFrom"]
+        ref = trainer_env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == values["auth"]["existingSecret"]
+    # From outside the pod, only trainer pods get in; the Job's own pod is one.
+    policy = one(manifests, "NetworkPolicy")
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert labels_match(policy["spec"]["podSelector"]["matchLabels"], pod_labels)
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert labels_match(peer["podSelector"]["matchLabels"], pod_labels)
+
+
+def test_trainer_url_follows_server_port(render) -> None:
+    manifests = render(SIDECAR, server={"port": 8100, "dataPlanePort": 29700})
+    (trainer,) = one(manifests, "Job")["spec"]["template"]["spec"]["containers"]
+    assert env(trainer)["ROLLOUT_SIDECAR_URL"]["value"] == "http://localhost:8100"
+
+
+def test_one_container_definition_for_both_modes(render) -> None:
+    overrides = {"model": {"source": "pvc", "pvc": {"claimName": "ckpts"}}}
+    deployed = server_container(render(overrides))
+    sidecar = dict(server_container(render(SIDECAR, **overrides)))
+    assert sidecar.pop("restartPolicy") == "Always"
+    assert sidecar == deployed
+
+
+def test_named_templates_from_a_users_chart(tmp_path: Path, chart_dir: Path, render_chart):
+    """helm/examples/trainer-job, the README's way to add the sidecar to your own pod spec."""
+    user_chart = tmp_path / "trainer-job"
+    example = chart_dir.parent / "examples" / "trainer-job"
+    shutil.copytree(example, user_chart, ignore=shutil.ignore_patterns("charts"))
+    # What `helm dependency build` does with the file:// dependency.
+    shutil.copytree(chart_dir, user_chart / "charts" / "rollout-sidecar")
+    manifests = render_chart(user_chart)
+    job = one(manifests, "Job")  # the subchart adds no Job, Deployment or Service of its own
+    assert [m["kind"] for m in manifests] == ["Job"]
+    kubernetes_validate.validate(job, KUBE_VERSIONS[0], strict=True)
+    pod = job["spec"]["template"]["spec"]
+    (sidecar,) = pod["initContainers"]
+    assert (
+        sidecar["restartPolicy"] == "Always" and sidecar["image"] == "rollout-sidecar/server:0.1.0"
+    )
+    (trainer,) = pod["containers"]
+    assert env(trainer)["ROLLOUT_SIDECAR_URL"]["value"] == "http://localhost:8000"
+    admin = env(trainer)["ROLLOUT_SIDECAR_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert admin["name"] == "rollout-sidecar-tokens"
+    assert {"name": SHM_VOLUME, "mountPath": "/dev/shm"} in trainer["volumeMounts"]
+
+
+# ---- documentation -------------------------------------------------------------------------
+
+
+def doc_install_commands(text: str) -> list[list[str]]:
+    """Every `helm install` command of a markdown text, line continuations joined."""
+    joined = text.replace("\\\n", " ")
+    return [
+        shlex.split(line.split("#")[0])
+        for line in joined.splitlines()
+        if line.lstrip().startswith("helm install ")
+    ]
+
+
+def test_documented_install_commands_render(chart_dir: Path, render, load_values) -> None:
+    """The docs' `helm install` commands for this chart pass the schema and render."""
+    readme = (chart_dir / "README.md").read_text()
+    section = (chart_dir.parent / "README-section.md").read_text()
+    # `-f my-values.yaml` in the docs is the README's block starting with that comment.
+    my_values = re.search(r"```yaml\n# my-values.yaml\n(.*?)```", readme, re.S)
+    assert my_values
+    files = {"my-values.yaml": helm.values_from_yaml(my_values.group(1))}
+    commands = doc_install_commands(readme) + doc_install_commands(section)
+    ours = [c for c in commands if c[3] == "./helm/rollout-sidecar"]
+    assert len(ours) >= 4, commands
+    for command in ours:
+        layers = []
+        options = iter(command[4:])
+        for option in options:
+            argument = next(options)
+            if option == "-f":
+                layers.append(files.get(argument) or load_values(chart_dir.parents[1] / argument))
+            elif option == "--set":
+                layers.append(helm.parse_set_string(argument))
+            else:
+                assert option == "--set-json", command
+                layers.append(helm.parse_set_json(argument))
+        manifests = render(*layers)
+        if any(layer.get("mode") == "sidecar" for layer in layers):
+            assert one(manifests, "Job")
+        else:
+            assert one(manifests, "Deployment")

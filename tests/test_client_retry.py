@@ -1,0 +1,52 @@
+"""Client retry and errors. Uses httpx.MockTransport (a fake server) for the
+503 sequence; the connect-error case uses a real closed port."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from rollout_sidecar.client import GenerationClient, RetryPolicy, SidecarError
+from tests.conftest import free_port
+
+OK = {"results": [{"prompt_token_ids": [1], "samples": [
+    {"text": "a", "token_ids": [97], "logprobs": [-0.5], "finish_reason": "length"}]}],
+    "weight_version": 3, "weight_versions": [3],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+FAST = RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.02)
+
+
+def test_retries_503_then_succeeds():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        if len(calls) < 3:
+            return httpx.Response(503, json={"error": "server is shutting down"})
+        return httpx.Response(200, json=OK)
+
+    with GenerationClient("http://x", retry=FAST, transport=httpx.MockTransport(handler)) as c:
+        r = c.generate(["a"])
+    assert len(calls) == 3 and r.weight_version == 3
+
+
+def test_4xx_is_not_retried_and_names_the_field():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        return httpx.Response(400, json={"error": "bad", "field": "sampling.top_p"})
+
+    with GenerationClient("http://x", retry=FAST, transport=httpx.MockTransport(handler)) as c:
+        with pytest.raises(SidecarError) as e:
+            c.generate(["a"])
+    assert len(calls) == 1 and e.value.status == 400 and e.value.field == "sampling.top_p"
+
+
+def test_connect_error_is_retried_then_raised():
+    port = free_port()  # nothing listens here
+    with GenerationClient(f"http://127.0.0.1:{port}", retry=FAST) as c:
+        with pytest.raises(httpx.ConnectError):
+            c.generate(["a"])
+        with pytest.raises(TimeoutError):
+            c.wait_until_ready(timeout=0.3, poll_s=0.1)

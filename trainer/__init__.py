@@ -1,0 +1,9 @@
+"""Trainer side of rollout-sidecar: gather full weights from FSDP2, FSDP1, DDP
+or plain modules, bucket by bucket, and push them to the server. Needs torch
+(and httpx for the control plane), never vLLM."""
+
+from rollout_sidecar.trainer.admin_client import WeightPushError
+from rollout_sidecar.trainer.gather import MetaDeviceError
+from rollout_sidecar.trainer.pusher import PushResult, WeightPusher
+
+__all__ = ["MetaDeviceError", "PushResult", "WeightPushError", "WeightPusher"]

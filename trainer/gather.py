@@ -1,0 +1,132 @@
+"""Full tensors out of a (possibly sharded, offloaded) model, one at a time.
+
+Every rank walks the same plan in the same order, so each collective
+(FSDP2 `full_tensor()`, FSDP1 `summon_full_params`) is entered by all ranks
+together. Memory stays bounded: FSDP2 materialises one parameter at a time,
+FSDP1 one FSDP unit at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rollout_sidecar.trainer.names import normalize_name
+
+
+class MetaDeviceError(RuntimeError):
+    """Some parameters were never materialised (still on the meta device)."""
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str  # normalised, as the served checkpoint names it
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DDP (and DataParallel) keep the real model in `.module`.
+    if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+        return model.module
+    return model
+
+
+def _fsdp1_units(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [m for m in FSDP.fsdp_modules(model) if m._handle is not None]
+
+
+def _is_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return any(isinstance(m, FSDP) for m in model.modules())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def meta_modules(model: nn.Module) -> list[str]:
+    """Names of modules holding a parameter whose data is on the meta device."""
+    model = _unwrap(model)
+    bad = []
+    for mod_name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            if _local(p).is_meta:
+                bad.append(normalize_name(mod_name) or "<root>")
+                break
+    return bad
+
+
+def param_plan(model: nn.Module) -> list[ParamInfo]:
+    """Names, global shapes and dtypes, in gather order; no collective."""
+    model = _unwrap(model)
+    if _is_fsdp1(model):
+        plan = []
+        for unit in _fsdp1_units(model):
+            flat = unit._handle.flat_param
+            prefix = _unit_prefix(model, unit)
+            for fqn, shape in zip(flat._fqns, flat._shapes, strict=True):
+                plan.append(ParamInfo(normalize_name(prefix + fqn), tuple(shape), flat.dtype))
+        return plan
+    return [ParamInfo(normalize_name(n), tuple(p.shape), p.dtype)
+            for n, p in model.named_parameters()]
+
+
+def _unit_prefix(root: nn.Module, unit: nn.Module) -> str:
+    for name, m in root.named_modules():
+        if m is unit:
+            return name + "." if name else ""
+    raise RuntimeError("FSDP unit not found under the model")
+
+
+def iter_full_tensors(model: nn.Module, device: torch.device | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (normalised name, full tensor) in `param_plan` order, on every rank.
+
+    `device` is the compute device for gathers; params offloaded to the CPU are
+    brought there for the all-gather only, and nothing new stays on it.
+    """
+    model = _unwrap(model)
+    if _is_fsdp1(model):
+        yield from _iter_fsdp1(model)
+        return
+    for name, p in model.named_parameters():
+        yield normalize_name(name), _full(p.detach(), device)
+
+
+def _full(p: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    if not hasattr(p, "full_tensor"):
+        return p
+    mesh_type = p.device_mesh.device_type
+    if device is None:
+        device = torch.device(mesh_type, torch.accelerator.current_device_index()) \
+            if mesh_type != "cpu" else torch.device("cpu")
+    # Offloaded (CPUOffloadPolicy, or moved by hand): the all-gather must run on
+    # the mesh's device. The moved copy is a temporary and is freed after this.
+    if p.to_local().device.type != mesh_type:
+        p = p.to(device)
+    return p.full_tensor()
+
+
+def _iter_fsdp1(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    for unit in _fsdp1_units(model):
+        flat = unit._handle.flat_param
+        prefix = _unit_prefix(model, unit)
+        wanted = list(flat._fqns)
+        # recurse=False: only this unit's flat parameter is gathered.
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+            by_name = {normalize_name(n): p
+                       for n, p in unit.named_parameters(remove_duplicate=False)}
+            for fqn in wanted:
+                t = by_name.get(normalize_name(fqn))
+                if t is None:
+                    raise RuntimeError(f"FSDP1 unit parameter {fqn!r} not found after gather")
+                yield normalize_name(prefix + fqn), t.detach()
