@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from rollout_sidecar.client.http import RetryPolicy, SidecarError, auth_headers, should_retry
+from rollout_sidecar.client.http import RetryPolicy, auth_headers, settle
 from rollout_sidecar.client.schema import (
     GenerateRequest,
     GenerateResponse,
@@ -49,14 +49,8 @@ class GenerationClient:
                 r = self._http.request(method, path, **kw)
             except httpx.TransportError as e:
                 exc = e
-            last = attempt == self.retry.attempts - 1
-            if not should_retry(exc, r) or last:
-                if exc is not None:
-                    raise exc
-                assert r is not None
-                if r.is_error:
-                    raise SidecarError.from_response(r)
-                return r
+            if (done := settle(self.retry, attempt, exc, r)) is not None:
+                return done
             time.sleep(self.retry.delay(attempt))
         raise AssertionError("unreachable")
 
@@ -112,14 +106,8 @@ class AsyncGenerationClient:
                 r = await self._http.request(method, path, **kw)
             except httpx.TransportError as e:
                 exc = e
-            last = attempt == self.retry.attempts - 1
-            if not should_retry(exc, r) or last:
-                if exc is not None:
-                    raise exc
-                assert r is not None
-                if r.is_error:
-                    raise SidecarError.from_response(r)
-                return r
+            if (done := settle(self.retry, attempt, exc, r)) is not None:
+                return done
             await asyncio.sleep(self.retry.delay(attempt))
         raise AssertionError("unreachable")
 

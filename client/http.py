@@ -48,5 +48,18 @@ def should_retry(exc: Exception | None, response: httpx.Response | None) -> bool
     return response is not None and response.status_code in RETRY_STATUS
 
 
+def settle(policy: RetryPolicy, attempt: int, exc: Exception | None,
+           response: httpx.Response | None) -> httpx.Response | None:
+    """The response to return, None to retry, or raise the final error."""
+    if should_retry(exc, response) and attempt < policy.attempts - 1:
+        return None
+    if exc is not None:
+        raise exc
+    assert response is not None
+    if response.is_error:
+        raise SidecarError.from_response(response)
+    return response
+
+
 def auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}

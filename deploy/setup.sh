@@ -7,8 +7,8 @@
 # and nothing here needs them, so they are removed after the install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="cpu"
-[[ "${1:-}" == "--test" ]] && extras="cpu,test"
+extras="cpu,demo"
+[[ "${1:-}" == "--test" ]] && extras="cpu,demo,test"
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" || true

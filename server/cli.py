@@ -55,7 +55,7 @@ def model_init(out: Path = typer.Argument(..., help="Directory to write the chec
 
 @app.command()
 def demo(
-    steps: int = typer.Option(30, help="Optimizer steps."),
+    steps: int = typer.Option(20, help="Optimizer steps."),
     model: str | None = typer.Option(None, help="HF checkpoint; default: embedded model."),
     nproc: int = typer.Option(2, help="Trainer ranks (torchrun, FSDP2)."),
     server_url: str | None = typer.Option(

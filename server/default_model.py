@@ -28,12 +28,12 @@ MODEL_CONFIG = dict(
     max_position_embeddings=2048,
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
-    tie_word_embeddings=True,
+    tie_word_embeddings=False,
     initializer_range=0.02,
 )
 SEED = 1234
 # Bumped whenever the recipe changes, so a stale cache is rebuilt.
-RECIPE_VERSION = "1"
+RECIPE_VERSION = "2"
 
 
 def write_tokenizer(out: Path) -> None:

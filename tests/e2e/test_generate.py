@@ -55,6 +55,13 @@ def test_usage_and_version_fields(server):
     assert isinstance(r.weight_version, int)
 
 
+def _prod(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def post(server, body, token=None):
     return httpx.post(server.url + "/generate", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {token or server.api_token}"})
@@ -114,7 +121,11 @@ def test_health_ready_info_metrics(server):
     assert httpx.get(server.url + "/ready").status_code == 200
     with server.client() as c:
         info = c.info()
-    assert info.max_model_len == 512 and info.num_parameters == 2035456
+    from safetensors import safe_open
+
+    with safe_open(str(server.model_path / "model.safetensors"), "pt") as f:
+        numel = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert info.max_model_len == 512 and info.num_parameters == numel
     m = httpx.get(server.url + "/metrics").text
     for name in ("rollout_sidecar_requests_total", "rollout_sidecar_generated_tokens_total",
                  "rollout_sidecar_request_latency_seconds", "rollout_sidecar_requests_running",

@@ -1,0 +1,44 @@
+"""SIGTERM drains: the in-flight request completes, new ones are refused."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import start_server
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_drains_in_flight_then_exits(tmp_path):
+    server = start_server(tmp_path, "drain")
+    result: dict = {}
+
+    def long_request():
+        with server.client(timeout=120) as c:
+            result["r"] = c.generate(prompt_token_ids=[[1, 2, 3]] * 8,
+                                     sampling=dict(max_tokens=400, n=4, seed=0))
+
+    with httpx.Client(base_url=server.url) as keepalive:
+        assert keepalive.get("/ready").status_code == 200
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(1.5)  # the request is now in the engine
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        # A new request is refused: 503 on a kept-alive connection, or the
+        # listener is already closed.
+        try:
+            r = keepalive.post("/generate", json={"prompts": ["x"]},
+                               headers={"Authorization": f"Bearer {server.api_token}"})
+            assert r.status_code == 503
+        except httpx.TransportError:
+            pass
+        t.join(120)
+    r = result["r"]
+    assert all(len(s.token_ids) == 400 for p in r.results for s in p.samples)
+    assert server.proc.wait(120) == 0

@@ -1,0 +1,78 @@
+"""Unit tests of pure pieces (no engine, no network)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rollout_sidecar.client.schema import GenerateRequest, SamplingConfig
+from rollout_sidecar.server.version_gate import MinVersionTimeout, VersionGate
+from rollout_sidecar.trainer.buckets import ALIGN, plan_buckets
+from rollout_sidecar.trainer.gather import ParamInfo, meta_modules, param_plan
+from rollout_sidecar.trainer.names import normalize_name
+
+
+@pytest.mark.parametrize("raw, clean", [
+    ("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.weight",
+     "model.layers.0.mlp.weight"),
+    ("module._orig_mod.lm_head.weight", "lm_head.weight"),
+    ("model.layers.1._checkpoint_wrapped_module.self_attn.q_proj.weight",
+     "model.layers.1.self_attn.q_proj.weight"),
+    ("model.module_list.0.weight", "model.module_list.0.weight"),  # only a leading "module."
+])
+def test_normalize_name(raw, clean):
+    assert normalize_name(raw) == clean
+
+
+def test_buckets_respect_size_alignment_and_order():
+    params = [ParamInfo(f"p{i}", (1000 + i,), torch.float32) for i in range(50)]
+    buckets = plan_buckets(params, torch.bfloat16, bucket_bytes=10_000)
+    names = [s.name for b in buckets for s in b.slots]
+    assert names == [p.name for p in params]
+    for b in buckets:
+        assert b.nbytes <= 10_000
+        assert all(s.offset % ALIGN == 0 for s in b.slots)
+        ends = [s.offset + s.nbytes for s in b.slots]
+        assert all(e <= s2.offset for e, s2 in zip(ends, b.slots[1:], strict=False))
+
+
+def test_oversized_tensor_gets_its_own_bucket():
+    params = [ParamInfo("small", (10,), torch.float32), ParamInfo("big", (10_000,), torch.float32)]
+    buckets = plan_buckets(params, torch.float32, bucket_bytes=1000)
+    assert [[s.name for s in b.slots] for b in buckets] == [["small"], ["big"]]
+
+
+def test_tied_weights_are_planned_once_and_meta_is_found():
+    m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    m[1].weight = m[0].weight
+    assert [p.name for p in param_plan(m)] == ["0.weight"]
+    assert meta_modules(m) == []
+    with torch.device("meta"):
+        m.append(torch.nn.Linear(4, 4))
+    assert meta_modules(m) == ["2"]
+
+
+def test_sampling_range_errors_name_the_field():
+    assert SamplingConfig(top_p=0).range_error()[0] == "sampling.top_p"
+    assert SamplingConfig().range_error() is None
+    with pytest.raises(ValueError):
+        GenerateRequest(prompts=["a"], prompt_token_ids=[[1]])
+
+
+def test_version_gate_waits_for_min_version_and_holds_during_commit():
+    async def run():
+        gate = VersionGate(0)
+        with pytest.raises(MinVersionTimeout):
+            await gate.admit(1, timeout_s=0.05)
+        waiter = asyncio.create_task(gate.admit(1, timeout_s=5))
+        async with gate.committing():
+            blocked = asyncio.create_task(gate.admit(None, timeout_s=5))
+            await asyncio.sleep(0.05)
+            assert not blocked.done()  # nobody is admitted mid-swap
+            await gate.publish(1)
+        assert await waiter == 1 and await blocked == 1
+        assert gate.versions_between(0, 1) == [0, 1]
+
+    asyncio.run(run())
