@@ -40,5 +40,12 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path):
             pass
         t.join(120)
     r = result["r"]
-    assert all(len(s.token_ids) == 400 for p in r.results for s in p.samples)
-    assert server.proc.wait(120) == 0
+    samples = [s for p in r.results for s in p.samples]
+    # Drained, not cut off: every sample ended on its own (EOS or max_tokens).
+    assert len(samples) == 32
+    assert all(s.finish_reason in ("stop", "length") for s in samples)
+    assert sum(len(s.token_ids) for s in samples) > 32 * 50
+    # uvicorn re-raises the SIGTERM it caught once shutdown is complete, so a
+    # clean drain exits with -SIGTERM (0 on older uvicorn); a hang or crash fails.
+    assert server.proc.wait(120) in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in server.log.read_text()
