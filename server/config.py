@@ -54,8 +54,8 @@ class ServerSettings(BaseSettings):
     data_plane_port: int = Field(
         29600, ge=0, le=65535, description="TCPStore port trainers rendezvous on (gloo/NCCL)."
     )
-    data_plane_host: str = Field(
-        "0.0.0.0", description="Address the data-plane TCPStore listens on."
+    data_plane_host: str | None = Field(
+        None, description="Address the data-plane TCPStore listens on; default: `host`."
     )
     push_timeout_s: float = Field(
         600.0, gt=0, description="Deadline for one push, begin to commit."

@@ -64,13 +64,17 @@ class WeightService:
         self._lock = asyncio.Lock()
 
     @property
+    def bind_host(self) -> str:
+        return self.settings.data_plane_host or self.settings.host
+
+    @property
     def llm(self) -> Any:
         return self.engine.llm
 
     async def start(self) -> None:
         # The server hosts the rendezvous store: trainers come and go, it stays.
         self.store = torch.distributed.TCPStore(
-            self.settings.data_plane_host, self.settings.data_plane_port, is_master=True,
+            self.bind_host, self.settings.data_plane_port, is_master=True,
             wait_for_workers=False, timeout=datetime.timedelta(seconds=60),
         )
         self.store_port = self.store.port
@@ -97,7 +101,7 @@ class WeightService:
         async with self._lock:
             if self.push is not None:
                 raise PushConflict("a push is in progress; connect after it ends")
-            host = self.settings.data_plane_host
+            host = self.bind_host
             info = dict(store_host="127.0.0.1" if host in ("0.0.0.0", "::") else host,
                         store_port=self.store_port, group_name=f"rs/{req.connection_id}/",
                         backend=req.backend, timeout_s=req.timeout_s)
