@@ -124,7 +124,7 @@ def main() -> None:
             version, push_s = res.version, res.timings["total_s"]
         mean_r = sum(map(sum, rewards)) / sum(map(len, rewards))
         rec = dict(step=step, reward=mean_r, push_s=push_s, weight_version=version,
-                   served_version=resp_d["weight_version"], loss=float(loss),
+                   served_version=resp_d["weight_version"], loss=float(loss.detach()),
                    gen_tokens_per_s=resp_d["usage"]["completion_tokens"] / gen_s)
         records.append(rec)
         if bar:
