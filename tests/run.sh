@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh --test
-.venv/bin/ruff check server client trainer tests bench examples
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -m "not gpu" "$@"
