@@ -175,7 +175,6 @@ class BeginRequest(_Strict):
     version: int = Field(description="Weight version this push becomes; must increase.")
     transport: Transport = "gloo"
     buckets: list[BucketManifest] = Field(min_length=1)
-    partial: bool = Field(False, description="Allow a subset of the checkpoint's tensors.")
 
 
 class BeginResponse(BaseModel):

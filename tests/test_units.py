@@ -76,3 +76,28 @@ def test_version_gate_waits_for_min_version_and_holds_during_commit():
         assert gate.versions_between(0, 1) == [0, 1]
 
     asyncio.run(run())
+
+
+def test_manifest_check_refuses_partial_wrong_shape_and_dtype():
+    from rollout_sidecar.client.schema import BeginRequest
+    from rollout_sidecar.server.checkpoint_index import CheckpointIndex, TensorSpec
+    from rollout_sidecar.server.engine import BadRequest
+    from rollout_sidecar.server.weights.manifest_check import check_manifest
+
+    index = CheckpointIndex({"a": TensorSpec((4,), "bfloat16"), "b": TensorSpec((2, 2),
+                                                                               "bfloat16")},
+                            tie_word_embeddings=False)
+
+    def req(params):
+        return BeginRequest(version=1, buckets=[{"index": 0, "nbytes": 64 * 3, "params": params}])
+
+    a = {"name": "a", "dtype": "bfloat16", "shape": [4], "offset": 0}
+    b = {"name": "b", "dtype": "bfloat16", "shape": [2, 2], "offset": 64}
+    check_manifest(req([a, b]), index, "bfloat16")  # complete and right: accepted
+    for params, field in [([a], "buckets"),  # partial: would zero fused layers
+                          ([a, dict(b, shape=[4])], "buckets[0].params[1].shape"),
+                          ([a, dict(b, dtype="float32")], "buckets[0].params[1].dtype"),
+                          ([a, dict(b, name="c")], "buckets[0].params[1].name")]:
+        with pytest.raises(BadRequest) as e:
+            check_manifest(req(params), index, "bfloat16")
+        assert e.value.field == field

@@ -49,11 +49,9 @@ class WeightAdminClient:
         return ConnectResponse.model_validate(self._call("POST", "/weights/connect", json={
             "connection_id": connection_id, "backend": backend, "timeout_s": timeout_s}))
 
-    def begin(self, version: int, transport: str, buckets: list[dict],
-              partial: bool = False) -> BeginResponse:
+    def begin(self, version: int, transport: str, buckets: list[dict]) -> BeginResponse:
         return BeginResponse.model_validate(self._call("POST", "/weights/begin", json={
-            "version": version, "transport": transport, "buckets": buckets,
-            "partial": partial}))
+            "version": version, "transport": transport, "buckets": buckets}))
 
     def put_bucket(self, push_id: str, index: int, data: bytes, checksum: int) -> None:
         self._call("PUT", f"/weights/bucket/{index}", content=data, headers={

@@ -53,8 +53,8 @@ class WeightPusher:
         url: server URL (default $ROLLOUT_SIDECAR_URL).
         admin_token: weights token (default $ROLLOUT_SIDECAR_ADMIN_TOKEN).
         transport: "gloo" (host memory), "nccl" (GPU to GPU) or "http".
-        bucket_mb: bucket size; rank 0's extra peak is about two buckets plus
-            the largest single tensor.
+        bucket_mb: bucket size; rank 0's extra peak is about
+            2 x max(bucket, largest single tensor) plus that tensor gathered.
         device: compute device for FSDP gathers (default: the mesh's device).
         data_plane_host: where the server's TCPStore listens (default: url host).
     """

@@ -45,7 +45,9 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) 
                 raise BadRequest(f"{p.name}: ends at byte {end_prev}, bucket has "
                                  f"{bucket.nbytes}", f"{f}.offset")
     missing = sorted(set(index.tensors) - seen)
-    if missing and not req.partial:
+    # Every push is complete: vLLM's layerwise reload rebuilds a fused layer
+    # (q/k/v, gate/up) from what was pushed, so a partial push would zero the rest.
+    if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise BadRequest(f"push is missing {', '.join(missing[:5])}{more} "
-                         "(set partial=true to push a subset)", "buckets")
+        raise BadRequest(f"push is missing {', '.join(missing[:5])}{more}; every push must "
+                         "carry the whole checkpoint", "buckets")

@@ -1,0 +1,222 @@
+"""Shared bench helpers: a real server as a subprocess, cached checkpoints, tables.
+
+Imported by bench/generate.py and bench/push.py (run as scripts, so this
+directory is on sys.path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+# Checkpoints are deterministic, so they are built once and reused across runs.
+CACHE = Path(os.environ.get("ROLLOUT_SIDECAR_BENCH_CACHE",
+                            Path(tempfile.gettempdir()) / "rollout-sidecar-bench"))
+# vLLM CPU otherwise reserves a large KV cache; 1 GiB fits every bench here.
+# Warnings only: vLLM's per-request INFO lines would bury the tables.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{platform.node()}: {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, no GPU; "
+            f"{load()}")
+
+
+def load() -> str:
+    """The 1-minute load average: other work on this machine skews every figure."""
+    return f"load avg {os.getloadavg()[0]:.1f}"
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    cells = [headers] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(c: object) -> str:
+    if isinstance(c, float):
+        return f"{c:.3g}" if abs(c) < 100 else f"{c:.0f}"
+    return str(c)
+
+
+# ------------------------------------------------------------------ models
+
+
+def default_model() -> Path:
+    from rollout_sidecar.server.default_model import ensure_default_model
+
+    return ensure_default_model(CACHE)
+
+
+def build_llama(hidden: int, intermediate: int, layers: int) -> Path:
+    """A Llama checkpoint shaped like the default model but bigger (bf16, byte
+    tokenizer, tied embeddings, head_dim 64 as vLLM's CPU attention needs).
+
+    Deterministic (fixed seed) and cached by shape; built in a temp dir and
+    renamed, so an interrupted build is never reused.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rollout_sidecar.server.default_model import (
+        BOS_ID,
+        EOS_ID,
+        MODEL_CONFIG,
+        PAD_ID,
+        RECIPE_VERSION,
+        SEED,
+        VOCAB_SIZE,
+    )
+
+    # The recipe version is in the name: tokenizer files come from the default model.
+    target = CACHE / f"llama-h{hidden}-i{intermediate}-l{layers}-r{RECIPE_VERSION}"
+    if (target / "done").exists():
+        return target
+    heads = hidden // 64
+    cfg = dict(MODEL_CONFIG, hidden_size=hidden, intermediate_size=intermediate,
+               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                         pad_token_id=PAD_ID, torch_dtype="bfloat16", **cfg)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=CACHE))
+    try:
+        torch.manual_seed(SEED)
+        # Built in bf16 directly: a 500M model in fp32 would be a 2 GB detour.
+        with _default_dtype(torch.bfloat16):
+            model = LlamaForCausalLM(config)
+        model.save_pretrained(tmp, safe_serialization=True)
+        src = default_model()
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(src / f, tmp / f)
+        (tmp / "done").write_text(json.dumps(cfg))
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: object) -> Iterator[None]:
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+# ------------------------------------------------------------------ server
+
+
+@dataclass
+class Server:
+    url: str
+    api_token: str
+    admin_token: str
+    proc: subprocess.Popen
+    log: Path
+
+    def client(self):  # noqa: ANN201
+        from rollout_sidecar.client import GenerationClient
+
+        return GenerationClient(self.url, token=self.api_token, timeout=900)
+
+    def weight_version(self) -> int:
+        r = httpx.get(self.url + "/weights/status", timeout=30,
+                      headers={"Authorization": f"Bearer {self.admin_token}"})
+        r.raise_for_status()
+        return int(r.json()["weight_version"])
+
+
+@contextlib.contextmanager
+def serve(model: Path | None, log: Path, max_model_len: int = 512,
+          ready_timeout_s: float = 600) -> Iterator[Server]:
+    """`rollout-sidecar serve` as a subprocess on free ports; always stopped on exit.
+
+    Its own session, so the vLLM engine process it spawns is stopped with it.
+    """
+    port, dp_port = free_port(), free_port()
+    api, admin = secrets.token_hex(8), secrets.token_hex(8)
+    env = dict(os.environ, ROLLOUT_SIDECAR_API_TOKEN=api, ROLLOUT_SIDECAR_ADMIN_TOKEN=admin,
+               ROLLOUT_SIDECAR_CACHE_DIR=str(CACHE), PYTHONUNBUFFERED="1", **ENGINE_ENV)
+    cmd = [sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
+           "--data-plane-port", str(dp_port), "--max-model-len", str(max_model_len),
+           "--log-level", "warning"]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", api, admin, proc, log)
+    try:
+        _wait_ready(server, ready_timeout_s)
+        yield server
+    finally:
+        _stop(proc)
+
+
+def _wait_ready(server: Server, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited {server.proc.returncode}:\n"
+                               f"{server.log.read_text()[-4000:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f}s:\n"
+                       f"{server.log.read_text()[-4000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # drains, then shuts the engine down
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+    # Whatever is left of the group (the engine core) goes too.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
