@@ -185,7 +185,8 @@ def per_param_push(url: str, token: str, model: torch.nn.Module, version: int) -
     send = pusher.transport.send
     calls = 0
 
-    def send_with_request(index: int, buf: torch.Tensor, push_id: str, checksum: int) -> Any:
+    def send_with_request(index: int, buf: torch.Tensor, push_id: str,
+                          checksum: int | None) -> Any:
         nonlocal calls
         calls += 1
         pusher.admin.status()  # the per-parameter HTTP round trip

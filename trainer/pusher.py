@@ -161,9 +161,15 @@ class WeightPusher:
                 del full
             if err is not None:
                 continue  # keep gathering so peers never hang; send nothing more
-            checksums.append(_crc32(buf))
             try:
-                in_flight[slot] = self.transport.send(b.index, buf, push_id, checksums[-1])
+                if self.transport.checksum_in_request:
+                    checksums.append(_crc32(buf))
+                    in_flight[slot] = self.transport.send(b.index, buf, push_id, checksums[-1])
+                else:
+                    # The CRC travels with the commit, so compute it while the
+                    # bucket is on the wire (zlib releases the GIL).
+                    in_flight[slot] = self.transport.send(b.index, buf, push_id, None)
+                    checksums.append(_crc32(buf))
             except Exception as e:
                 err = f"sending bucket {b.index} failed: {e}"
         for w in in_flight:

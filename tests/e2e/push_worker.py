@@ -160,11 +160,20 @@ def _break_checksums(pusher) -> None:
     send = pusher.transport.send
 
     def corrupt(index, buf, push_id, checksum):
-        if index == 1:
-            buf[0] ^= 0xFF
-        return send(index, buf, push_id, checksum)
+        if index != 1:
+            return send(index, buf, push_id, checksum)
+        # Flip a byte on the wire only: the trainer's CRC is of the true bytes.
+        buf[0] ^= 0xFF
+        send(index, buf, push_id, checksum).wait()
+        buf[0] ^= 0xFF
+        return _Done()
 
     pusher.transport.send = corrupt
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
 
 
 def _die_mid_push(pusher, rank: int) -> None:

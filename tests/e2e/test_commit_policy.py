@@ -47,8 +47,14 @@ def push_during_long_request(server) -> tuple:
     return v, box["r"], result, after
 
 
-def test_wait_policy_finishes_in_flight_on_old_weights(server):
-    v, in_flight, result, after = push_during_long_request(server)
+def test_wait_policy_finishes_in_flight_on_old_weights(tmp_path):
+    # A server of its own: the session server must keep the checkpoint's weights
+    # for the tests that compare against it.
+    server = start_server(tmp_path, "wait", {"ROLLOUT_SIDECAR_COMMIT_POLICY": "wait"})
+    try:
+        v, in_flight, result, after = push_during_long_request(server)
+    finally:
+        stop_server(server)
     assert result.version == v + 1
     assert in_flight.weight_versions == [v]
     assert all(s.finish_reason in ("stop", "length") for p in in_flight.results

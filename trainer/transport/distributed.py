@@ -23,6 +23,7 @@ SERVER_RANK = 1
 
 class DistributedTransport:
     name = "gloo"
+    checksum_in_request = False  # the CRCs go with the commit
 
     def __init__(self, admin: WeightAdminClient, backend: str = "gloo",
                  data_plane_host: str | None = None, timeout_s: float = 300.0) -> None:
@@ -78,7 +79,7 @@ class DistributedTransport:
             raise WeightPushError(f"connect failed: {err[0]}") from err[0]
         self.group = group
 
-    def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int) -> Any:
+    def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int | None) -> Any:
         return self.group.send([buf], SERVER_RANK, index)
 
     def reset(self) -> None:

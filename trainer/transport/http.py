@@ -19,6 +19,7 @@ class _Done:
 class HttpTransport:
     name = "http"
     buffer_device = torch.device("cpu")
+    checksum_in_request = True  # sent as the X-Checksum header of each bucket
 
     def __init__(self, admin: WeightAdminClient) -> None:
         self.admin = admin
@@ -26,7 +27,7 @@ class HttpTransport:
     def ensure_connected(self) -> None:
         pass
 
-    def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int) -> Any:
+    def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int | None) -> Any:
         self.admin.put_bucket(push_id, index, memoryview(buf.numpy()).tobytes(), checksum)
         return _Done()
 
