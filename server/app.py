@@ -19,7 +19,7 @@ from rollout_sidecar.server.engine import BadRequest, GenerationEngine
 from rollout_sidecar.server.metrics import ServerMetrics
 from rollout_sidecar.server.routes import generate, health, metrics, weights
 from rollout_sidecar.server.version_gate import MinVersionTimeout
-from rollout_sidecar.server.weights.service import PushConflict, WeightService
+from rollout_sidecar.server.weights.service import TRANSPORTS, PushConflict, WeightService
 
 log = logging.getLogger("rollout_sidecar.server")
 
@@ -75,7 +75,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
     app.state.ready = False
     app.state.not_ready_reason = "model loading"
     app.state.draining = False
-    app.state.transports = weights.TRANSPORTS
+    app.state.transports = TRANSPORTS
     for module in (generate, health, metrics, weights):
         app.include_router(module.router)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from fastapi import APIRouter, Depends, Header, Request
 
 from rollout_sidecar.client.schema import (
@@ -16,10 +15,6 @@ from rollout_sidecar.client.schema import (
     WeightStatus,
 )
 from rollout_sidecar.server.auth import require_admin_token
-
-# NCCL needs a GPU on the server; gloo (host memory) and HTTP work everywhere,
-# including one GPU shared by trainer and server.
-TRANSPORTS = ["gloo", "nccl", "http"] if torch.cuda.is_available() else ["gloo", "http"]
 
 router = APIRouter(prefix="/weights", dependencies=[Depends(require_admin_token)])
 

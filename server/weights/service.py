@@ -33,6 +33,9 @@ from rollout_sidecar.server.weights.manifest_check import check_manifest
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.5
+# NCCL needs a GPU on the server; gloo (host memory) and HTTP work everywhere,
+# including one GPU shared by trainer and server.
+TRANSPORTS = ["gloo", "nccl", "http"] if torch.cuda.is_available() else ["gloo", "http"]
 
 
 class PushConflict(Exception):
@@ -85,8 +88,6 @@ class WeightService:
         self.store = None
 
     def status(self) -> WeightStatus:
-        from rollout_sidecar.server.routes.weights import TRANSPORTS
-
         return WeightStatus(
             weight_version=self.engine.gate.version, dtype=self.engine.info.dtype,
             push_in_progress=self.push is not None, connected=self.connection,
