@@ -47,14 +47,18 @@ def push_during_long_request(server) -> tuple:
     return v, box["r"], result, after
 
 
-def test_wait_policy_finishes_in_flight_on_old_weights(tmp_path):
+def push_with_policy(tmp_path, policy: str) -> tuple:
     # A server of its own: the session server must keep the checkpoint's weights
     # for the tests that compare against it.
-    server = start_server(tmp_path, "wait", {"ROLLOUT_SIDECAR_COMMIT_POLICY": "wait"})
+    server = start_server(tmp_path, policy, {"ROLLOUT_SIDECAR_COMMIT_POLICY": policy})
     try:
-        v, in_flight, result, after = push_during_long_request(server)
+        return push_during_long_request(server)
     finally:
         stop_server(server)
+
+
+def test_wait_policy_finishes_in_flight_on_old_weights(tmp_path):
+    v, in_flight, result, after = push_with_policy(tmp_path, "wait")
     assert result.version == v + 1
     assert in_flight.weight_versions == [v]
     assert all(s.finish_reason in ("stop", "length") for p in in_flight.results
@@ -63,11 +67,7 @@ def test_wait_policy_finishes_in_flight_on_old_weights(tmp_path):
 
 
 def test_abort_policy_aborts_in_flight(tmp_path):
-    server = start_server(tmp_path, "abort", {"ROLLOUT_SIDECAR_COMMIT_POLICY": "abort"})
-    try:
-        v, in_flight, result, after = push_during_long_request(server)
-    finally:
-        stop_server(server)
+    v, in_flight, result, after = push_with_policy(tmp_path, "abort")
     assert result.version == v + 1
     reasons = {s.finish_reason for p in in_flight.results for s in p.samples}
     assert "abort" in reasons
