@@ -168,7 +168,7 @@ class Server:
 
 @contextlib.contextmanager
 def serve(model: Path | None, log: Path, max_model_len: int = 512,
-          ready_timeout_s: float = 600) -> Iterator[Server]:
+          ready_timeout_s: float = 600, env: dict[str, str] | None = None) -> Iterator[Server]:
     """`rollout-sidecar serve` as a subprocess on free ports; always stopped on exit.
 
     Its own session, so the vLLM engine process it spawns is stopped with it.
@@ -176,7 +176,8 @@ def serve(model: Path | None, log: Path, max_model_len: int = 512,
     port, dp_port = free_port(), free_port()
     api, admin = secrets.token_hex(8), secrets.token_hex(8)
     env = dict(os.environ, ROLLOUT_SIDECAR_API_TOKEN=api, ROLLOUT_SIDECAR_ADMIN_TOKEN=admin,
-               ROLLOUT_SIDECAR_CACHE_DIR=str(CACHE), PYTHONUNBUFFERED="1", **ENGINE_ENV)
+               ROLLOUT_SIDECAR_CACHE_DIR=str(CACHE), PYTHONUNBUFFERED="1", **ENGINE_ENV,
+               **(env or {}))
     cmd = [sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
            "--data-plane-port", str(dp_port), "--max-model-len", str(max_model_len),
            "--log-level", "warning"]

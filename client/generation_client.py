@@ -17,6 +17,9 @@ from rollout_sidecar.client.schema import (
     SamplingConfig,
 )
 
+# Scoring is a one-token generation with prompt logprobs (vLLM needs >= 1 token).
+_SCORE = SamplingConfig(max_tokens=1, logprobs=False, prompt_logprobs=True)
+
 
 def _request_body(prompts: list[str] | None, prompt_token_ids: list[list[int]] | None,
                   sampling: SamplingConfig | dict | None, min_weight_version: int | None,
@@ -60,6 +63,14 @@ class GenerationClient:
                  min_weight_version: int | None = None) -> GenerateResponse:
         body = _request_body(prompts, prompt_token_ids, sampling, min_weight_version)
         return GenerateResponse.model_validate(self._call("POST", "/generate", json=body).json())
+
+    def score(self, prompt_token_ids: list[list[int]], *,
+              min_weight_version: int | None = None) -> GenerateResponse:
+        """Logprob of every token given the ones before it, under the served
+        weights: `results[i].prompt_logprobs` (the first entry is None). For
+        reference-model or recomputed old logprobs in the RL loop."""
+        return self.generate(prompt_token_ids=prompt_token_ids, sampling=_SCORE,
+                             min_weight_version=min_weight_version)
 
     def info(self) -> InfoResponse:
         return InfoResponse.model_validate(self._call("GET", "/info").json())
@@ -118,6 +129,12 @@ class AsyncGenerationClient:
         body = _request_body(prompts, prompt_token_ids, sampling, min_weight_version)
         r = await self._call("POST", "/generate", json=body)
         return GenerateResponse.model_validate(r.json())
+
+    async def score(self, prompt_token_ids: list[list[int]], *,
+                    min_weight_version: int | None = None) -> GenerateResponse:
+        """See `GenerationClient.score`."""
+        return await self.generate(prompt_token_ids=prompt_token_ids, sampling=_SCORE,
+                                   min_weight_version=min_weight_version)
 
     async def info(self) -> InfoResponse:
         return InfoResponse.model_validate((await self._call("GET", "/info")).json())

@@ -21,6 +21,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Reply(BaseModel):
+    # JSON has no NaN or infinity. A diverged model's logprobs go out as the
+    # strings "NaN", "Infinity", "-Infinity", which pydantic (the client) parses
+    # back into floats, instead of a null that breaks `list[float]`.
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+
 # --------------------------------------------------------------------- generate
 
 
@@ -39,6 +46,10 @@ class SamplingConfig(_Strict):
     seed: int | None = Field(None, description="Same seed, same request: same tokens.")
     stop: list[str] = Field(default_factory=list, description="Stop strings, at most 64.")
     logprobs: bool = Field(True, description="Return the logprob of each sampled token.")
+    prompt_logprobs: bool = Field(
+        False, description="Also return the logprob of every prompt token under the served "
+        "weights (vLLM's prompt_logprobs): scoring for reference-model or recomputed old "
+        "logprobs. Use max_tokens=1 to score only.")
 
     def range_error(self) -> tuple[str, str] | None:
         """(field, reason) of the first out-of-range value, or None."""
@@ -82,20 +93,26 @@ class GenerateRequest(_Strict):
         return len(self.prompts if self.prompts is not None else self.prompt_token_ids or [])
 
 
-class Sample(BaseModel):
+class Sample(_Reply):
     """One sampled continuation."""
 
     text: str
     token_ids: list[int]
     logprobs: list[float] | None = Field(
-        None, description="Logprob of each sampled token under the serving weights."
+        None, description="Logprob of each sampled token under the serving weights "
+        "(raw, before temperature/top-p). Non-finite values are the strings 'NaN', "
+        "'Infinity', '-Infinity'; the client parses them into floats."
     )
     finish_reason: FinishReason
 
 
-class PromptResult(BaseModel):
+class PromptResult(_Reply):
     prompt_token_ids: list[int]
     samples: list[Sample]
+    prompt_logprobs: list[float | None] | None = Field(
+        None, description="With sampling.prompt_logprobs: the logprob of each prompt token "
+        "given the ones before it; the first is null (nothing precedes it)."
+    )
 
 
 class Usage(BaseModel):
@@ -104,12 +121,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class GenerateResponse(BaseModel):
+class GenerateResponse(_Reply):
     results: list[PromptResult]
     weight_version: int = Field(description="Weight version every token came from.")
     weight_versions: list[int] = Field(
         description="All versions that produced tokens; more than one only with "
         "commit policy 'keep'."
+    )
+    weight_suspect: bool = Field(
+        False, description="True if the trainer's post-push probe found one of "
+        "weight_versions serving logprobs beyond tolerance from its own forward pass "
+        "(see /weights/status). Such tokens are not from the trained policy."
     )
     usage: Usage
 
@@ -120,7 +142,9 @@ class GenerateResponse(BaseModel):
 class InfoResponse(BaseModel):
     model: str
     dtype: str
+    lm_head_dtype: str = Field(description="dtype the lm_head's logits are computed in.")
     max_model_len: int
+    vocab_size: int
     weight_version: int
     num_parameters: int
     commit_policy: CommitPolicy
@@ -146,7 +170,9 @@ Transport = Literal["gloo", "nccl", "http"]
 
 
 class ParamSlot(_Strict):
-    """Where one tensor sits inside a packed bucket."""
+    """Where one tensor sits inside a packed bucket. Floating tensors travel in
+    the serving dtype; integer and bool tensors (persistent buffers such as
+    routing tables) in their own."""
 
     name: str
     dtype: str
@@ -203,11 +229,55 @@ class LastPush(BaseModel):
     reason: str | None = None
 
 
-class WeightStatus(BaseModel):
+class ProbeRequest(_Strict):
+    """`POST /weights/verify`: the trainer's logprobs of a fixed token sequence,
+    computed by its own forward pass right after pushing `version`."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
+
+    version: int = Field(description="The version just committed; must be the served one.")
+    token_ids: list[int] = Field(min_length=2, max_length=4096)
+    trainer_logprobs: list[float] = Field(
+        description="logprob of token_ids[i] given token_ids[:i], for i = 1..len-1.")
+    tolerance: float = Field(gt=0, description="Largest acceptable mean |dlogp|.")
+
+
+class ProbeResult(_Reply):
+    version: int
+    mean_abs_dlogp: float = Field(description="Mean |served - trainer| over the probe tokens.")
+    max_abs_dlogp: float
+    tolerance: float
+    passed: bool
+    tokens: int
+
+
+class TensorInfo(BaseModel):
+    shape: list[int]
+    dtype: str = Field(description="dtype a push carries it in.")
+
+
+class WeightIndex(BaseModel):
+    """`GET /weights/index`: what a push must carry."""
+
+    tensors: dict[str, TensorInfo] = Field(
+        description="Every tensor a push must carry: parameters and persistent buffers.")
+    ignored: list[str] = Field(
+        description="Checkpoint tensors vLLM drops at load (e.g. rotary_emb.inv_freq): never "
+        "pushed.")
+    tie_word_embeddings: bool
+
+
+class WeightStatus(_Reply):
     weight_version: int
     dtype: str
+    vocab_size: int
+    max_model_len: int
     push_in_progress: bool
     connected: str | None = Field(description="Connection id of the data plane, if any.")
     data_plane_port: int
     transports: list[str]
     last_push: LastPush | None = None
+    last_probe: ProbeResult | None = Field(
+        None, description="The trainer's post-push probe of the latest version that ran one.")
+    suspect: str | None = Field(
+        None, description="Why the served version is suspect (its probe failed), else null.")

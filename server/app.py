@@ -124,4 +124,5 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
 
 
 _ROUTES = {"/generate", "/health", "/ready", "/info", "/metrics", "/weights/connect",
-           "/weights/begin", "/weights/commit", "/weights/abort", "/weights/status"}
+           "/weights/begin", "/weights/commit", "/weights/abort", "/weights/status",
+           "/weights/index", "/weights/verify"}

@@ -3,6 +3,10 @@ safetensors headers alone (no tensor is loaded).
 
 Pushes are validated against it before a byte of weight data moves, so a wrong
 name or shape is a 400 at `begin`, not a crash halfway through a load.
+
+Tensors that vLLM itself drops at load (`rotary_emb.inv_freq` and friends,
+which older checkpoints carry) are set aside as `ignored`: a trainer whose model
+keeps them as non-persistent buffers cannot push them, and need not.
 """
 
 from __future__ import annotations
@@ -10,7 +14,13 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+
+# vLLM's AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER drops these.
+IGNORED_SUFFIXES = ("rotary_pos_emb.inv_freq", "rotary_emb.inv_freq", "rotary_emb.cos_cached",
+                    "rotary_emb.sin_cached")
+FLOATING = {"bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
 
 _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
               "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
@@ -30,10 +40,37 @@ class TensorSpec:
         return n
 
 
+_WIDTH = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
+          "float8_e5m2": 1}
+
+
 @dataclass
 class CheckpointIndex:
     tensors: dict[str, TensorSpec]
     tie_word_embeddings: bool
+    ignored: frozenset[str] = frozenset()
+
+    @cached_property
+    def bulk_dtype(self) -> str | None:
+        """The floating dtype holding most of the checkpoint's elements."""
+        by_dtype: dict[str, int] = {}
+        for t in self.tensors.values():
+            if t.dtype in FLOATING:
+                by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel
+        return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else None
+
+    def push_dtype(self, spec: TensorSpec, serve_dtype: str) -> str:
+        """The dtype a push carries `spec` in: floating tensors in the serving
+        dtype, except those the checkpoint deliberately keeps wider than its
+        bulk (e.g. the fp32 `e_score_correction_bias` of DeepSeek-V3 and
+        GLM-4.5 routers inside a bf16 checkpoint; rounding it can flip expert
+        choices); integer and bool tensors in their own dtype."""
+        if spec.dtype not in FLOATING:
+            return spec.dtype
+        bulk = self.bulk_dtype
+        if bulk is not None and _WIDTH[spec.dtype] > max(_WIDTH[bulk], _WIDTH[serve_dtype]):
+            return spec.dtype
+        return serve_dtype
 
     @property
     def num_parameters(self) -> int:
@@ -59,4 +96,7 @@ class CheckpointIndex:
         tie = bool(config.get("tie_word_embeddings", False))
         # A tied head is the embedding; pushes may send it under either name.
         tensors.pop("lm_head.weight", None) if tie else None
-        return cls(tensors=tensors, tie_word_embeddings=tie)
+        ignored = frozenset(n for n in tensors if n.endswith(IGNORED_SUFFIXES))
+        for n in ignored:
+            del tensors[n]
+        return cls(tensors=tensors, tie_word_embeddings=tie, ignored=ignored)

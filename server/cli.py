@@ -20,6 +20,9 @@ def serve(
     host: str | None = typer.Option(None, help="Bind address [env ROLLOUT_SIDECAR_HOST]."),
     port: int | None = typer.Option(None, help="HTTP port [env ROLLOUT_SIDECAR_PORT]."),
     dtype: str | None = typer.Option(None, help="Serving dtype."),
+    lm_head_fp32: bool | None = typer.Option(
+        None, "--lm-head-fp32/--no-lm-head-fp32",
+        help="Compute the lm_head in fp32 [env ROLLOUT_SIDECAR_LM_HEAD_FP32]."),
     max_model_len: int | None = typer.Option(None),
     gpu_memory_utilization: float | None = typer.Option(None),
     commit_policy: str | None = typer.Option(None, help="wait | abort | keep."),
@@ -34,7 +37,8 @@ def serve(
     from rollout_sidecar.server.serve import run_server
 
     overrides: dict[str, Any] = {k: v for k, v in dict(
-        model=model, host=host, port=port, dtype=dtype, max_model_len=max_model_len,
+        model=model, host=host, port=port, dtype=dtype, lm_head_fp32=lm_head_fp32,
+        max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization, commit_policy=commit_policy,
         data_plane_port=data_plane_port, cache_dir=cache_dir,
     ).items() if v is not None}
@@ -63,12 +67,15 @@ def demo(
     out_dir: Path = typer.Option(Path("demo-report"), help="Where the run report goes."),
     push: bool = typer.Option(True, help="Push weights after every step (off: ablation)."),
     seed: int = typer.Option(0),
+    lm_head_fp32: bool = typer.Option(
+        False, help="Started server and trainer compute the lm_head in fp32."),
 ) -> None:
     """The online RL loop on the sidecar: FSDP2 trainer, rollouts, a push per step."""
     from rollout_sidecar.trainer.demo_launcher import launch_demo
 
     raise typer.Exit(launch_demo(steps=steps, model=model, nproc=nproc, server_url=server_url,
-                                 out_dir=out_dir, push=push, seed=seed))
+                                 out_dir=out_dir, push=push, seed=seed,
+                                 lm_head_fp32=lm_head_fp32))
 
 
 def main() -> None:

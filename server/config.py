@@ -28,6 +28,13 @@ class ServerSettings(BaseSettings):
         description="Where the embedded default model is built once.",
     )
     dtype: str = Field("bfloat16", description="Serving dtype; pushes are cast to it.")
+    lm_head_fp32: bool = Field(
+        False,
+        description="Compute the lm_head's logits in float32 over the serving-dtype body "
+        "(vLLM's head_dtype): removes most of the bf16 train/rollout logprob mismatch "
+        "(ScaleRL, MiniMax-M1). Compute your trainer's head in fp32 too. Costs a cast of "
+        "the head's weight per step on CPU; free on CUDA.",
+    )
     max_model_len: int = Field(1024, ge=16)
     gpu_memory_utilization: float = Field(
         0.3,

@@ -14,6 +14,7 @@ from rollout_sidecar.client.schema import (
     GenerateResponse,
     PromptResult,
     Sample,
+    SamplingConfig,
     Usage,
 )
 from rollout_sidecar.server.checkpoint_index import CheckpointIndex
@@ -39,6 +40,7 @@ class BadRequest(ValueError):
 class EngineInfo:
     model: str
     dtype: str
+    lm_head_dtype: str
     max_model_len: int
     vocab_size: int
 
@@ -72,6 +74,9 @@ class GenerationEngine:
             # Logprobs of the model's own distribution (before temperature/top-p),
             # which is what a trainer's forward pass computes for the importance ratio.
             logprobs_mode="raw_logprobs",
+            # vLLM computes the lm_head in head_dtype (casting the weight on the
+            # fly, so a push needs nothing extra).
+            hf_overrides={"head_dtype": "float32"} if s.lm_head_fp32 else {},
         )
         self.llm = AsyncLLM.from_engine_args(
             args, stat_loggers=[self.metrics.stat_logger_factory()]
@@ -81,6 +86,7 @@ class GenerationEngine:
         self.info = EngineInfo(
             model=str(self.model_path),
             dtype=str(mc.dtype).removeprefix("torch."),
+            lm_head_dtype=str(mc.head_dtype).removeprefix("torch."),
             max_model_len=mc.max_model_len,
             vocab_size=mc.get_vocab_size(),
         )
@@ -133,6 +139,7 @@ class GenerationEngine:
                 n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                 top_k=s.top_k, seed=seed, stop=s.stop or None,
                 logprobs=0 if s.logprobs else None,
+                prompt_logprobs=0 if s.prompt_logprobs else None,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
         except ValueError as e:  # vLLM's own range checks
@@ -159,13 +166,18 @@ class GenerationEngine:
             samples = [self._sample(c, req.sampling.logprobs) for c in out.outputs]
             prompt_tokens += len(ids)
             completion_tokens += sum(len(s.token_ids) for s in samples)
-            results.append(PromptResult(prompt_token_ids=list(ids), samples=samples))
+            results.append(PromptResult(
+                prompt_token_ids=list(ids), samples=samples,
+                prompt_logprobs=self._prompt_logprobs(ids, out.prompt_logprobs)
+                if req.sampling.prompt_logprobs else None))
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.generated_tokens.inc(completion_tokens)
+        versions = self.gate.versions_between(start_version, end_version)
         return GenerateResponse(
             results=results,
             weight_version=start_version,
-            weight_versions=self.gate.versions_between(start_version, end_version),
+            weight_versions=versions,
+            weight_suspect=any(v in self.gate.suspect for v in versions),
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                         total_tokens=prompt_tokens + completion_tokens),
         )
@@ -179,6 +191,24 @@ class GenerationEngine:
             final = out
         assert final is not None
         return final
+
+    async def score(self, token_ids: list[int], version: int) -> list[float]:
+        """logprob of token i given tokens < i (i >= 1) under `version`, which
+        must still be the served one when the prefill ran."""
+        r = await self.generate(GenerateRequest(
+            prompt_token_ids=[token_ids], min_weight_version=version,
+            sampling=SamplingConfig(max_tokens=1, logprobs=False, prompt_logprobs=True)))
+        if r.weight_versions != [version]:
+            raise BadRequest(f"version {version} is no longer served (now "
+                             f"{r.weight_versions})", "version")
+        lps = r.results[0].prompt_logprobs or []
+        return [float("nan") if lp is None else lp for lp in lps[1:]]
+
+    @staticmethod
+    def _prompt_logprobs(ids: list[int], plps: Any) -> list[float | None]:
+        # vLLM: one dict per position (None for the first), keyed by token id.
+        return [None if d is None else float(d[t].logprob) for t, d in zip(ids, plps,
+                                                                             strict=True)]
 
     @staticmethod
     def _sample(c: Any, want_logprobs: bool) -> Sample:

@@ -47,6 +47,19 @@ class ServerMetrics:
             "rollout_sidecar_weight_push_seconds", "Begin-to-commit time of a push.",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300), registry=r,
         )
+        self.probe_gap = Gauge(
+            "rollout_sidecar_weight_probe_abs_dlogp",
+            "Post-push probe: |served - trainer| logprob over the probe tokens, of the "
+            "latest probe.", ["stat"], registry=r,
+        )
+        self.probes = Counter(
+            "rollout_sidecar_weight_probes_total", "Post-push probes by outcome.", ["outcome"],
+            registry=r,
+        )
+        self.suspect = Gauge(
+            "rollout_sidecar_weight_suspect", "1 while the served version failed its probe.",
+            registry=r,
+        )
         self.commit_seconds = Histogram(
             "rollout_sidecar_weight_commit_seconds", "Pause-load-resume time of a commit.",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r,

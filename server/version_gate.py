@@ -25,6 +25,9 @@ class VersionGate:
         self._committing = False
         self._cond = asyncio.Condition()
         self.gated = 0  # requests currently held here (for metrics)
+        # version -> why its post-push probe failed; tagged on every response
+        # that any of these versions produced.
+        self.suspect: dict[int, str] = {}
 
     async def admit(self, min_version: int | None, timeout_s: float) -> int:
         """Wait until no commit is running and `version >= min_version`.
@@ -71,6 +74,8 @@ class VersionGate:
             self.version = version
             self.history.append(version)
             del self.history[:-1024]
+            for v in [v for v in self.suspect if v not in self.history]:
+                del self.suspect[v]
             self._cond.notify_all()
 
     def versions_between(self, start: int, end: int) -> list[int]:

@@ -38,7 +38,8 @@ class Server:
         return GenerationClient(self.url, token=self.api_token, **kw)
 
 
-def start_server(tmp: Path, name: str, extra_env: dict | None = None) -> Server:
+def start_server(tmp: Path, name: str, extra_env: dict | None = None,
+                 model: Path | None = None, dtype: str | None = None) -> Server:
     port, dp_port = free_port(), free_port()
     cache = Path(os.environ.get("ROLLOUT_SIDECAR_TEST_CACHE", tmp / "cache"))
     env = dict(os.environ, ROLLOUT_SIDECAR_API_TOKEN=secrets.token_hex(8),
@@ -47,9 +48,10 @@ def start_server(tmp: Path, name: str, extra_env: dict | None = None) -> Server:
                ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S="3",
                PYTHONUNBUFFERED="1", **(extra_env or {}))
     log = tmp / f"{name}.log"
+    extra = (["--model", str(model)] if model else []) + (["--dtype", dtype] if dtype else [])
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
-         "--data-plane-port", str(dp_port), "--max-model-len", "512"],
+         "--data-plane-port", str(dp_port), "--max-model-len", "512", *extra],
         env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -2,8 +2,13 @@
 or plain modules, bucket by bucket, and push them to the server. Needs torch
 (and httpx for the control plane), never vLLM."""
 
-from rollout_sidecar.trainer.admin_client import WeightPushError
+from rollout_sidecar.trainer.admin_client import (
+    NonFiniteWeightsError,
+    WeightMismatchError,
+    WeightPushError,
+)
 from rollout_sidecar.trainer.gather import MetaDeviceError
 from rollout_sidecar.trainer.pusher import PushResult, WeightPusher
 
-__all__ = ["MetaDeviceError", "PushResult", "WeightPushError", "WeightPusher"]
+__all__ = ["MetaDeviceError", "NonFiniteWeightsError", "PushResult", "WeightMismatchError",
+           "WeightPushError", "WeightPusher"]

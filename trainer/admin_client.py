@@ -12,12 +12,25 @@ from rollout_sidecar.client.schema import (
     BeginResponse,
     CommitResponse,
     ConnectResponse,
+    ProbeRequest,
+    ProbeResult,
+    WeightIndex,
     WeightStatus,
 )
 
 
 class WeightPushError(RuntimeError):
     """A push failed; the server keeps serving its previous weights."""
+
+
+class NonFiniteWeightsError(WeightPushError):
+    """A tensor held NaN or infinity; nothing was sent, the old weights serve."""
+
+
+class WeightMismatchError(WeightPushError):
+    """The push committed, but the server's logprobs for the probe sequence
+    differ from the trainer's own forward pass by more than the tolerance. The
+    server marks the version suspect until a later push passes."""
 
 
 class WeightAdminClient:
@@ -44,6 +57,14 @@ class WeightAdminClient:
 
     def status(self) -> WeightStatus:
         return WeightStatus.model_validate(self._call("GET", "/weights/status"))
+
+    def index(self) -> WeightIndex:
+        return WeightIndex.model_validate(self._call("GET", "/weights/index"))
+
+    def verify(self, req: ProbeRequest) -> ProbeResult:
+        return ProbeResult.model_validate(self._call(
+            "POST", "/weights/verify", content=req.model_dump_json(),
+            headers={"Content-Type": "application/json"}))
 
     def connect(self, connection_id: str, backend: str, timeout_s: float) -> ConnectResponse:
         return ConnectResponse.model_validate(self._call("POST", "/weights/connect", json={

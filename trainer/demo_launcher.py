@@ -27,7 +27,7 @@ def _default_model_path() -> Path:
 
 
 def launch_demo(steps: int, model: str | None, nproc: int, server_url: str | None,
-                out_dir: Path, push: bool, seed: int) -> int:
+                out_dir: Path, push: bool, seed: int, lm_head_fp32: bool = False) -> int:
     model_path = Path(model) if model else _default_model_path()
     env = dict(os.environ)
     server = None
@@ -35,6 +35,8 @@ def launch_demo(steps: int, model: str | None, nproc: int, server_url: str | Non
         env.setdefault("ROLLOUT_SIDECAR_API_TOKEN", secrets.token_hex(16))
         env.setdefault("ROLLOUT_SIDECAR_ADMIN_TOKEN", secrets.token_hex(16))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if lm_head_fp32:
+            env["ROLLOUT_SIDECAR_LM_HEAD_FP32"] = "1"
         port = _free_port()
         server_url = f"http://127.0.0.1:{port}"
         log = out_dir / "server.log"

@@ -8,7 +8,7 @@ FSDP1 one FSDP unit at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +63,21 @@ def meta_modules(model: nn.Module) -> list[str]:
     return bad
 
 
-def param_plan(model: nn.Module) -> list[ParamInfo]:
-    """Names, global shapes and dtypes, in gather order; no collective."""
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers a `state_dict()` would hold, by normalised name. Neither FSDP
+    shards buffers, so every rank holds them whole."""
+    model = _unwrap(model)
+    out: dict[str, torch.Tensor] = {}
+    for mod_name, mod in model.named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out.setdefault(normalize_name(f"{mod_name}.{name}" if mod_name else name), buf)
+    return out
+
+
+def param_plan(model: nn.Module, buffers: Sequence[str] = ()) -> list[ParamInfo]:
+    """Names, global shapes and dtypes, in gather order; no collective.
+    `buffers` (persistent buffer names) come last, after every parameter."""
     model = _unwrap(model)
     if _is_fsdp1(model):
         plan = []
@@ -73,9 +86,11 @@ def param_plan(model: nn.Module) -> list[ParamInfo]:
             prefix = _unit_prefix(model, unit)
             for fqn, shape in zip(flat._fqns, flat._shapes, strict=True):
                 plan.append(ParamInfo(normalize_name(prefix + fqn), tuple(shape), flat.dtype))
-        return plan
-    return [ParamInfo(normalize_name(n), tuple(p.shape), p.dtype)
-            for n, p in model.named_parameters()]
+    else:
+        plan = [ParamInfo(normalize_name(n), tuple(p.shape), p.dtype)
+                for n, p in model.named_parameters()]
+    bufs = persistent_buffers(model) if buffers else {}
+    return plan + [ParamInfo(n, tuple(bufs[n].shape), bufs[n].dtype) for n in buffers]
 
 
 def _unit_prefix(root: nn.Module, unit: nn.Module) -> str:
@@ -85,19 +100,24 @@ def _unit_prefix(root: nn.Module, unit: nn.Module) -> str:
     raise RuntimeError("FSDP unit not found under the model")
 
 
-def iter_full_tensors(model: nn.Module, device: torch.device | None = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_tensors(model: nn.Module, device: torch.device | None = None,
+                      buffers: Sequence[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (normalised name, full tensor) in `param_plan` order, on every rank.
 
     `device` is the compute device for gathers; params offloaded to the CPU are
     brought there for the all-gather only, and nothing new stays on it.
+    Buffers need no collective, so a rank that only takes part in the gathers
+    may leave `buffers` empty.
     """
     model = _unwrap(model)
     if _is_fsdp1(model):
         yield from _iter_fsdp1(model)
-        return
-    for name, p in model.named_parameters():
-        yield normalize_name(name), _full(p.detach(), device)
+    else:
+        for name, p in model.named_parameters():
+            yield normalize_name(name), _full(p.detach(), device)
+    bufs = persistent_buffers(model) if buffers else {}
+    for name in buffers:
+        yield name, bufs[name].detach()
 
 
 def _full(p: torch.Tensor, device: torch.device | None) -> torch.Tensor:

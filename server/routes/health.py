@@ -35,6 +35,9 @@ async def ready(request: Request) -> HealthResponse:
         raise HTTPException(503, "shutting down")
     if not state.ready:
         raise HTTPException(503, state.not_ready_reason)
+    gate = state.engine.gate
+    if gate.version in gate.suspect:  # out of rotation until a push passes its probe
+        raise HTTPException(503, gate.suspect[gate.version])
     return HealthResponse(status="ok")
 
 
@@ -46,7 +49,9 @@ async def info(request: Request) -> InfoResponse:
     return InfoResponse(
         model=engine.info.model,
         dtype=engine.info.dtype,
+        lm_head_dtype=engine.info.lm_head_dtype,
         max_model_len=engine.info.max_model_len,
+        vocab_size=engine.info.vocab_size,
         weight_version=engine.gate.version,
         num_parameters=engine.index.num_parameters,
         commit_policy=request.app.state.settings.commit_policy,

@@ -12,6 +12,9 @@ from rollout_sidecar.client.schema import (
     CommitResponse,
     ConnectRequest,
     ConnectResponse,
+    ProbeRequest,
+    ProbeResult,
+    WeightIndex,
     WeightStatus,
 )
 from rollout_sidecar.server.auth import require_admin_token
@@ -26,6 +29,18 @@ def _svc(request: Request):  # noqa: ANN202
 @router.get("/status", response_model=WeightStatus)
 async def status(request: Request) -> WeightStatus:
     return _svc(request).status()
+
+
+@router.get("/index", response_model=WeightIndex)
+async def index(request: Request) -> WeightIndex:
+    return _svc(request).index()
+
+
+@router.post("/verify", response_model=ProbeResult)
+async def verify(body: ProbeRequest, request: Request) -> ProbeResult:
+    """Compare the trainer's logprobs of a probe sequence with the served ones;
+    a gap over the tolerance marks the version suspect."""
+    return await _svc(request).verify(body)
 
 
 @router.post("/connect", response_model=ConnectResponse)

@@ -23,6 +23,9 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) 
         for pi, p in enumerate(bucket.params):
             f = f"{where}.params[{pi}]"
             spec = index.tensors.get(p.name)
+            if spec is None and p.name in index.ignored:
+                raise BadRequest(f"{p.name!r} is in the checkpoint but vLLM drops it at load "
+                                 "(see GET /weights/index 'ignored'); leave it out", f"{f}.name")
             if spec is None:
                 raise BadRequest(f"unknown parameter {p.name!r}: the served checkpoint has no "
                                  "such tensor (check name normalisation)", f"{f}.name")
@@ -32,10 +35,11 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) 
             if tuple(p.shape) != spec.shape:
                 raise BadRequest(f"{p.name}: shape {list(p.shape)}, server expects "
                                  f"{list(spec.shape)}", f"{f}.shape")
-            if p.dtype != serve_dtype:
-                raise BadRequest(f"{p.name}: dtype {p.dtype}, server serves {serve_dtype} "
-                                 "(the pusher casts; is it talking to another server?)",
-                                 f"{f}.dtype")
+            want = index.push_dtype(spec, serve_dtype)
+            if p.dtype != want:
+                raise BadRequest(f"{p.name}: dtype {p.dtype}, server expects {want} (floating "
+                                 f"tensors travel in the serving dtype {serve_dtype}; the "
+                                 "pusher casts: is it talking to another server?)", f"{f}.dtype")
             size = _ITEMSIZE[p.dtype] * spec.numel
             if p.offset < end_prev or p.offset % _ITEMSIZE[p.dtype]:
                 raise BadRequest(f"{p.name}: offset {p.offset} overlaps or is misaligned",

@@ -27,9 +27,15 @@ from rollout_sidecar.client.schema import (
     ConnectRequest,
     ConnectResponse,
     LastPush,
+    ProbeRequest,
+    ProbeResult,
+    TensorInfo,
+    WeightIndex,
     WeightStatus,
 )
+from rollout_sidecar.server.engine import BadRequest
 from rollout_sidecar.server.weights.manifest_check import check_manifest
+from rollout_sidecar.server.weights.reload import UNTOUCHED
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.5
@@ -63,6 +69,7 @@ class WeightService:
         self.connection: str | None = None
         self.push: _Push | None = None
         self.last: LastPush | None = None
+        self.last_probe: ProbeResult | None = None
         self._lock = asyncio.Lock()
 
     @property
@@ -87,11 +94,54 @@ class WeightService:
         self.store = None
 
     def status(self) -> WeightStatus:
+        gate, info = self.engine.gate, self.engine.info
         return WeightStatus(
-            weight_version=self.engine.gate.version, dtype=self.engine.info.dtype,
-            push_in_progress=self.push is not None, connected=self.connection,
-            data_plane_port=self.store_port, transports=TRANSPORTS, last_push=self.last,
+            weight_version=gate.version, dtype=info.dtype, vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len, push_in_progress=self.push is not None,
+            connected=self.connection, data_plane_port=self.store_port, transports=TRANSPORTS,
+            last_push=self.last, last_probe=self.last_probe,
+            suspect=gate.suspect.get(gate.version),
         )
+
+    def index(self) -> WeightIndex:
+        idx, serve = self.engine.index, self.engine.info.dtype
+        return WeightIndex(
+            tensors={n: TensorInfo(shape=list(t.shape), dtype=idx.push_dtype(t, serve))
+                     for n, t in idx.tensors.items()},
+            ignored=sorted(idx.ignored), tie_word_embeddings=idx.tie_word_embeddings)
+
+    # -------------------------------------------------------------- verify
+
+    async def verify(self, req: ProbeRequest) -> ProbeResult:
+        """Score the trainer's probe under the served version and record the gap."""
+        gate = self.engine.gate
+        if req.version != gate.version:
+            raise PushConflict(f"version {req.version} is not the served one ({gate.version})")
+        if len(req.trainer_logprobs) != len(req.token_ids) - 1:
+            raise BadRequest(f"trainer_logprobs has {len(req.trainer_logprobs)} values; "
+                             f"{len(req.token_ids) - 1} expected (one per token after the "
+                             "first)", "trainer_logprobs")
+        served = torch.tensor(await self.engine.score(req.token_ids, req.version),
+                              dtype=torch.float64)
+        gap = (served - torch.tensor(req.trainer_logprobs, dtype=torch.float64)).abs()
+        mean, worst = gap.mean().item(), gap.max().item()
+        passed = bool(mean <= req.tolerance)  # NaN compares False: a NaN gap fails
+        result = ProbeResult(version=req.version, mean_abs_dlogp=mean, max_abs_dlogp=worst,
+                             tolerance=req.tolerance, passed=passed, tokens=len(gap))
+        self.last_probe = result
+        self.metrics.probe_gap.labels("mean").set(mean)
+        self.metrics.probe_gap.labels("max").set(worst)
+        self.metrics.probes.labels("passed" if passed else "failed").inc()
+        if passed:
+            gate.suspect.pop(req.version, None)
+        else:
+            gate.suspect[req.version] = (
+                f"weight_version {req.version} is suspect: the trainer's probe found mean "
+                f"|dlogp| {mean:.3g} > tolerance {req.tolerance:.3g}")
+            log.error("%s (max %.3g over %d tokens)", gate.suspect[req.version], worst,
+                      len(gap))
+        self.metrics.suspect.set(int(gate.version in gate.suspect))
+        return result
 
     # ------------------------------------------------------------ connect
 
@@ -211,15 +261,27 @@ class WeightService:
             "commit_s": t1 - t_verified, "total_s": t1 - push.started})
 
     async def _commit(self, push: _Push) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
         gate = self.engine.gate
         policy = self.settings.commit_policy
         async with gate.committing():
             # pause clears the prefix and KV caches: no stale prefix after the swap.
             await self.llm.pause_generation(mode=policy, clear_cache=True)
             try:
+                await self.llm.update_weights(WeightTransferUpdateRequest(
+                    update_info={"op": "load"}))
                 await self.llm.finish_weight_update(weight_version=str(push.req.version))
             except Exception as e:
                 self.push = None
+                if UNTOUCHED in str(e):  # refused before any live tensor changed
+                    self.last = LastPush(version=push.req.version, outcome="failed",
+                                         reason=f"load refused: {e}")
+                    self.metrics.pushes.labels("failed").inc()
+                    log.warning("push of version %d refused at load: %s; version %d keeps "
+                                "serving", push.req.version, e, gate.version)
+                    raise PushConflict(f"push rejected, version {gate.version} still "
+                                       f"serving: {e}") from e
                 self.last = LastPush(version=push.req.version, outcome="failed",
                                      reason=f"load failed: {e}")
                 self.on_broken(f"weight load failed mid-commit: {e}")
@@ -228,6 +290,7 @@ class WeightService:
                 await self.llm.resume_generation()
             await gate.publish(push.req.version)
             self.metrics.weight_version.set(push.req.version)
+            self.metrics.suspect.set(0)
         self.push = None
         self.last = LastPush(version=push.req.version, outcome="committed")
         log.info("committed weight_version=%d (%s policy)", push.req.version, policy)

@@ -9,11 +9,13 @@ AsyncLLM's own weight-update calls; `update_info["op"]` selects the step:
 - ``stage``: one bucket's bytes that came over HTTP instead.
 - ``poll``: raise if the receive thread has failed (trainer gone, timeout).
 - ``wait``: join the receive thread, then verify every bucket's CRC.
+- ``load``: the commit: load the verified buckets into the model, all of it or
+  none of it (`reload.load_all_or_nothing`). The only place the model changes.
 - ``abort``: drop the staged push.
 
-Any op that raises ends vLLM's update session, so a failed push can never be
-finished. `finish_weight_update` is the commit: the only place the model
-changes, and only with a complete, verified set of buckets.
+Any op that raises ends vLLM's update session (vLLM's worker clears it when
+`update_weights` raises, but not when `finish_weight_update` does, which is why
+the load is an op and `finish_weight_update` only releases the staging).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rollout_sidecar.server.weights.fault_injection import apply_test_faults
+from rollout_sidecar.server.weights.reload import load_all_or_nothing
 from rollout_sidecar.server.weights.staging import Staging, crc32
 
 log = logging.getLogger(__name__)
@@ -128,26 +132,20 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             if self._error is not None:
                 raise RuntimeError(f"receive failed: {self._error}")
             self.staging.verify(info.checksums or [])
+        elif info.op == "load":
+            if not self.staging.buckets or not all(b.received for b in self.staging.buckets):
+                raise RuntimeError("load called before every bucket arrived and was verified")
+            weights = apply_test_faults(self.staging.tensors(), self.model_config.model)
+            load_all_or_nothing(self.model, self.model_config, weights)
+            self.staging.release()
         elif info.op == "abort":
             raise RuntimeError("push aborted")
         else:
             raise ValueError(f"unknown op {info.op!r}")
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        # On CPU, vLLM prepacks linear weights and leaves `weight` empty, so a
-        # plain load_weights fails; the layerwise-reload lifecycle restores the
-        # checkpoint layout, loads, and re-runs the post-load processing.
-        try:
-            initialize_layerwise_reload(self.model)
-            self.model.load_weights(self.staging.tensors())
-            finalize_layerwise_reload(self.model, self.model_config)
-        finally:
-            self.staging.release()
+        # The model was loaded by the "load" op; this only ends the session.
+        self.staging.release()
 
     # ------------------------------------------------------------- internals
 

@@ -16,23 +16,10 @@ import torch.distributed as dist
 
 
 def build(model_path: str, mode: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from tests.fidelity.fidelity_worker import build as wrap
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if mode in ("fsdp2", "http", "bad_shape", "bad_checksum", "kill", "meta"):
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    elif mode == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                     device_id=torch.device("cpu"), use_orig_params=True)
-    return model
+    sharded = ("fsdp2", "http", "bad_shape", "bad_checksum", "kill", "meta")
+    return wrap(model_path, "fsdp2" if mode in sharded else mode)
 
 
 def trainer_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
@@ -143,8 +130,8 @@ def _break_manifest(pusher) -> None:
 
     orig = b.manifest
 
-    def bad(buckets, dtype):
-        m = orig(buckets, dtype)
+    def bad(buckets):
+        m = orig(buckets)
         m[0]["params"][0]["shape"][0] += 1
         return m
 

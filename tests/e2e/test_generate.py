@@ -131,3 +131,24 @@ def test_health_ready_info_metrics(server):
                  "rollout_sidecar_request_latency_seconds", "rollout_sidecar_requests_running",
                  "rollout_sidecar_requests_waiting"):
         assert name in m
+
+
+def test_score_returns_prompt_logprobs_of_the_served_weights(server):
+    """prompt_logprobs score given tokens; re-scoring sampled tokens gives back
+    the logprobs they were sampled with (same weights, same engine)."""
+    with server.client() as c:
+        g = c.generate(prompt_token_ids=[[104, 105, 32]], sampling=dict(
+            n=3, max_tokens=16, seed=5))
+        seqs = [g.results[0].prompt_token_ids + s.token_ids for s in g.results[0].samples]
+        scored = c.score(seqs, min_weight_version=g.weight_version)
+    assert scored.weight_version == g.weight_version
+    deltas = []
+    for smp, res in zip(g.results[0].samples, scored.results, strict=True):
+        assert res.prompt_logprobs[0] is None  # nothing precedes the first token
+        assert len(res.prompt_logprobs) == len(res.prompt_token_ids)
+        deltas += [abs(a - b) for a, b in zip(res.prompt_logprobs[3:], smp.logprobs,
+                                              strict=True)]
+    # bf16 prefill (scoring) vs decode (sampling) kernels round differently.
+    assert sum(deltas) / len(deltas) < 0.02, deltas
+    r = post(server, {"prompt_token_ids": [[1, 2]], "sampling": {"prompt_logprobs": True}})
+    assert r.status_code == 200 and r.json()["results"][0]["prompt_logprobs"][0] is None

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import REPO, free_port
 
 WORKER = Path(__file__).with_name("push_worker.py")
 pytestmark = pytest.mark.slow
@@ -34,7 +34,8 @@ def run_worker(server, mode: str, v: int, tmp_path: Path, check: bool = True,
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), str(WORKER), "--mode", mode, "--url", server.url,
          "--model", str(server.model_path), "--out", str(out), "--version", str(v)],
-        env=dict(os.environ, ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token,
+        # The worker shares the FSDP wrapping of tests/fidelity: the repo root on the path.
+        env=dict(os.environ, PYTHONPATH=str(REPO), ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token,
                  ROLLOUT_SIDECAR_API_TOKEN=server.api_token, **(env or {})),
         capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:

@@ -1,0 +1,48 @@
+"""Deliberate faults in the worker's load, for the tests that prove the
+post-load checks catch them. Off unless the server's environment names a file
+in `ROLLOUT_SIDECAR_TEST_FAULT_FILE`; never set it in production. The file is
+read at every load, so one server can go through several faults:
+
+- ``drop:NAME``: the staged tensor NAME is not loaded at all (what a skipped or
+  mis-mapped parameter looks like). The layer-coverage check must refuse it.
+- ``stale:NAME``: NAME is loaded from the served checkpoint on disk instead of
+  the push (the layer is complete, but holds old values). Only the probe can
+  see it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+ENV = "ROLLOUT_SIDECAR_TEST_FAULT_FILE"
+log = logging.getLogger(__name__)
+
+
+def _checkpoint_tensor(checkpoint: str, name: str, like: torch.Tensor) -> torch.Tensor:
+    from safetensors import safe_open
+
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            if name in st.keys():
+                return st.get_tensor(name).to(like.dtype)
+    raise KeyError(f"{name} not in {checkpoint}")
+
+
+def apply_test_faults(weights: Iterable[tuple[str, torch.Tensor]], checkpoint: str
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    path = os.environ.get(ENV)
+    spec = Path(path).read_text().strip() if path and Path(path).exists() else ""
+    kind, _, target = spec.partition(":")
+    if kind:
+        log.warning("%s=%s: injecting a fault into this load (tests only)", ENV, spec)
+    for name, tensor in weights:
+        if name == target and kind == "drop":
+            continue
+        if name == target and kind == "stale":
+            tensor = _checkpoint_tensor(checkpoint, name, tensor)
+        yield name, tensor

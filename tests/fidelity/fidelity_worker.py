@@ -1,0 +1,233 @@
+"""Run under torchrun (2 ranks, gloo): prove served = trained for one family.
+
+For each wrapper in --wrappers (fsdp2, fsdp1): load the checkpoint in fp32,
+take one optimizer step, take torch's own full state dict (FSDP2:
+`get_model_state_dict(full_state_dict=True)`; FSDP1: `summon_full_params`,
+since its full state dict segfaults on CPU), push, then compare the server's
+logprobs with a transformers fp32 forward of that state dict. Rank 0 writes a
+JSON report; the pytest side asserts on it.
+
+--scenario push (default), nan (a parameter set to NaN before the push), or
+bf16: first push the checkpoint's own weights unchanged (a bf16 server must
+then serve bit-identical logprobs), then step and push as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+
+PROMPT = [104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]  # "hello world"
+# Scored sequences: 8 x 48 tokens, so that in bf16 one MoE routing flip on a
+# near-tie (a discrete jump of a few tenths of a nat) cannot dominate the mean.
+SCORED_SEQS, SCORED_LEN = 8, 48
+
+
+def build(model_path: str, wrapper: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    layer_cls = type(model.model.layers[0])
+    if wrapper == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif wrapper == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
+                     device_id=torch.device("cpu"), use_orig_params=True)
+    return model
+
+
+def full_state_dict(model: torch.nn.Module, wrapper: str) -> dict[str, torch.Tensor]:
+    """torch's own unsharded weights (a collective), never our gather."""
+    if wrapper == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().clone() for k, v in sd.items()}
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    with FSDP.summon_full_params(model, writeback=False):
+        sd = {clean_tensor_name(k): v.detach().clone() for k, v in model.named_parameters()}
+    for mod_name, m in model.named_modules():  # persistent buffers are never sharded
+        for name, buf in m._buffers.items():
+            if buf is not None and name not in m._non_persistent_buffers_set:
+                sd[clean_tensor_name(f"{mod_name}.{name}")] = buf.detach().clone()
+    return sd
+
+
+def step(model: torch.nn.Module, vocab: int) -> None:
+    """One Adam step on random tokens: moves logprobs by 0.08-0.2, as an RL step
+    might (above the 0.05 that separates "pushed" from "stale"). The
+    persistent buffers move too, as a loss-free MoE balancer moves its router
+    bias between steps; the same seed on every rank keeps them replicated."""
+    g = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, vocab, (4, 32), generator=g)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        for m in model.modules():
+            for name, buf in m._buffers.items():
+                if (buf is not None and buf.is_floating_point()
+                        and name not in m._non_persistent_buffers_set):
+                    buf.add_(torch.randn(buf.shape, generator=g) * 0.3)
+
+
+def reference(model_path: str, state: dict | None, round_to: torch.dtype | None = None):
+    """transformers fp32 model, optionally with weights rounded to the serving dtype."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if state is not None:
+        if round_to is not None:
+            state = {k: v.to(round_to).float() for k, v in state.items()}
+        res = m.load_state_dict(state, strict=False)
+        # torch's full state dict names a tied head once; anything else is a bug.
+        tied = {"lm_head.weight"} if m.config.tie_word_embeddings else set()
+        assert set(res.missing_keys) <= tied and not res.unexpected_keys, res
+    return m.eval()
+
+
+def logprobs(m: torch.nn.Module, ids: list[int], start: int) -> torch.Tensor:
+    """logprob of ids[i] given ids[:i] for i >= start."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(m(input_ids=x).logits[0].float(), -1)
+    return lp[start - 1:-1].gather(-1, x[0, start:, None])[:, 0]
+
+
+def served(client, version: int, scored: list[list[int]]) -> dict:
+    r = client.generate(prompt_token_ids=[PROMPT], min_weight_version=version, sampling=dict(
+        n=4, max_tokens=24, temperature=1.0, seed=7))
+    s = client.score(scored, min_weight_version=version)
+    return dict(version=r.weight_version, score_version=s.weight_version,
+                suspect=r.weight_suspect,
+                samples=[(smp.token_ids, smp.logprobs) for smp in r.results[0].samples],
+                scored=[lp for res in s.results for lp in res.prompt_logprobs[1:]])
+
+
+def gap_max(a, b) -> float:
+    return (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)
+            ).abs().max().item()
+
+
+def gap(a, b) -> float:
+    return (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)
+            ).abs().mean().item()
+
+
+def scored_logprobs(m: torch.nn.Module, scored: list[list[int]]) -> torch.Tensor:
+    return torch.cat([logprobs(m, ids, 1) for ids in scored])
+
+
+def compare(model_path: str, before: dict | None, after: dict, oracle: dict,
+            scored: list[list[int]], serve_dtype: torch.dtype) -> dict:
+    ref = reference(model_path, oracle)
+    pre = reference(model_path, None)
+    sample_gaps = []
+    for toks, lps in after["samples"]:
+        sample_gaps.append(gap(logprobs(ref, PROMPT + toks, len(PROMPT)), lps))
+    ref_scored = scored_logprobs(ref, scored)
+    pre_scored = scored_logprobs(pre, scored)
+    out = dict(
+        version_after=after["version"], suspect=after["suspect"],
+        fp32_gap_sampled=sum(sample_gaps) / len(sample_gaps),
+        fp32_gap_scored=gap(ref_scored, after["scored"]),
+        step_moved=gap(ref_scored, pre_scored),
+    )
+    if serve_dtype != torch.float32:
+        rounded = scored_logprobs(reference(model_path, oracle, serve_dtype), scored)
+        out["gap_after_rounded_ref"] = gap(rounded, after["scored"])
+        if before is not None:  # the server still held the checkpoint
+            out["gap_v0"] = gap(pre_scored, before["scored"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--wrappers", default="fsdp2")
+    ap.add_argument("--scenario", default="push")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+
+    from rollout_sidecar.client import GenerationClient
+    from rollout_sidecar.trainer import WeightPusher, WeightPushError
+
+    client = GenerationClient(args.url) if rank == 0 else None
+    info = client.info() if client else None
+    box = [info.model_dump() if info else None]
+    dist.broadcast_object_list(box, src=0)
+    info = box[0]
+    serve_dtype = getattr(torch, info["dtype"])
+    g = torch.Generator().manual_seed(5)
+    scored = torch.randint(0, info["vocab_size"], (SCORED_SEQS, SCORED_LEN), generator=g).tolist()
+    pusher = WeightPusher(args.url, bucket_mb=1)
+    report: dict = {"runs": []}
+
+    version = info["weight_version"]
+    for i, wrapper in enumerate(args.wrappers.split(",")):
+        model = build(args.model, wrapper)
+        before = served(client, version, scored) if client else None
+        identity = None
+        if args.scenario == "bf16":
+            version += 1
+            pusher.push(model, version=version, verify=False)  # unchanged weights
+            if client:
+                same = served(client, version, scored)
+                identity = dict(version=same["score_version"],
+                                max_abs_diff=gap_max(same["scored"], before["scored"]))
+        step(model, info["vocab_size"])
+        version += 1
+        if args.scenario == "nan":
+            with torch.no_grad():  # FSDP2: each rank poisons its own shard
+                p = dict(model.named_parameters())["model.layers.1.mlp.up_proj.weight"]
+                p.to_local().view(-1)[0] = float("nan")
+        oracle = full_state_dict(model, wrapper)
+        run: dict = {"wrapper": wrapper, "version_pushed": version, "identity": identity}
+        try:
+            res = pusher.push(model, version=version)
+            run.update(error=None, probe=res.probe.model_dump() if res.probe else None,
+                       timings=res.timings)
+        except WeightPushError as e:
+            run.update(error=str(e), error_type=type(e).__name__)
+        # What every rank raised: a failed push must raise the same on all of them.
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, run.get("error_type"))
+        run["error_types_by_rank"] = errors
+        if rank == 0:
+            status = client.info()
+            run["version_now"] = status.weight_version
+            if run["error"] is None:
+                after = served(client, version, scored)
+                run.update(compare(args.model, before if i == 0 else None, after, oracle,
+                                   scored, serve_dtype))
+            report["runs"].append(run)
+        dist.barrier()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    dist.barrier()  # neither rank tears the group down while the other still uses it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

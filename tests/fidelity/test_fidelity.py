@@ -1,0 +1,205 @@
+"""Served weights = trained weights, for every model family users bring.
+
+Each family is served in float32, where vLLM-CPU matches a transformers fp32
+forward to ~1e-7, so any real error shows. After one optimizer step (which
+moves logprobs by > 0.05) the trainer pushes from FSDP2 (and FSDP1 for two
+families), and the served logprobs must match a transformers fp32 forward of
+torch's own full state dict. In bf16 serving the after-push gap must stay at
+the engine's floor (the version-0 gap on the same tokens).
+
+One server per family and dtype, shared by that family's tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import Server, free_port, start_server, stop_server
+from tests.fidelity.zoo import FAMILIES, write_family
+
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).with_name("fidelity_worker.py")
+FP32_TOL = 1e-4
+FSDP1_FAMILIES = {"llama-tied-gqa", "qwen2-tied-bias", "glm4-moe"}
+# bf16: the families whose push path differs most (tied heads, biases, fused
+# checkpoint tensors, MoE prepack); the other families share their code paths.
+BF16_FAMILIES = ["llama-tied-gqa", "qwen2-tied-bias", "phi3-fused", "qwen3-moe"]
+# The floor ratio is asserted for dense models only. In a top-k MoE the bf16
+# floor itself moves with the weights (near-tie routing flips): measured 1.46x
+# for Qwen3-MoE after a step, while pushing its unchanged weights is bit-exact
+# and the fp32 push matches to 2e-7. Its ratio is reported, not asserted.
+FLOOR_RATIO = 1.2
+MOE = {"qwen3-moe", "glm4-moe"}
+
+
+@dataclass
+class FamilyServer:
+    family: str
+    server: Server
+    fault_file: Path
+
+
+def _serve(family: str, dtype: str, tmp: Path) -> FamilyServer:
+    path = write_family(family, tmp / family)
+    fault = tmp / "fault"
+    fault.write_text("")
+    server = start_server(tmp, f"{family}-{dtype}", model=path, dtype=dtype,
+                          extra_env={"ROLLOUT_SIDECAR_TEST_FAULT_FILE": str(fault)})
+    return FamilyServer(family, server, fault)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def fp32_family(request, tmp_path_factory):
+    fs = _serve(request.param, "float32", tmp_path_factory.mktemp(request.param))
+    yield fs
+    stop_server(fs.server)
+
+
+@pytest.fixture(scope="module", params=BF16_FAMILIES)
+def bf16_family(request, tmp_path_factory):
+    fs = _serve(request.param, "bfloat16", tmp_path_factory.mktemp(request.param + "-bf16"))
+    yield fs
+    stop_server(fs.server)
+
+
+def run_worker(fs: FamilyServer, tmp_path: Path, wrappers: str = "fsdp2",
+               scenario: str = "push") -> list[dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "report.json"
+    s = fs.server
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(WORKER), "--url", s.url,
+         "--model", str(s.model_path), "--wrappers", wrappers, "--scenario", scenario,
+         "--out", str(out)],
+        env=dict(os.environ, ROLLOUT_SIDECAR_ADMIN_TOKEN=s.admin_token,
+                 ROLLOUT_SIDECAR_API_TOKEN=s.api_token),
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    runs = json.loads(out.read_text())["runs"]
+    for run in runs:  # the closing note's table is printed from these lines
+        print(f"FIDELITY {fs.family} {s.model_path.name} {json.dumps(run)}")
+    return runs
+
+
+def admin(fs: FamilyServer, path: str) -> dict:
+    return httpx.get(fs.server.url + path, timeout=30,
+                     headers={"Authorization": f"Bearer {fs.server.admin_token}"}).json()
+
+
+def test_served_equals_trained_in_fp32(fp32_family, tmp_path):
+    wrappers = "fsdp2,fsdp1" if fp32_family.family in FSDP1_FAMILIES else "fsdp2"
+    runs = run_worker(fp32_family, tmp_path, wrappers)
+    assert [r["wrapper"] for r in runs] == wrappers.split(",")
+    for r in runs:
+        assert r["error"] is None, r
+        assert r["version_after"] == r["version_now"] == r["version_pushed"]
+        assert r["step_moved"] > 0.05, r  # the step changed the policy measurably
+        assert r["fp32_gap_sampled"] < FP32_TOL, r
+        assert r["fp32_gap_scored"] < FP32_TOL, r
+        assert r["probe"]["passed"] and r["probe"]["mean_abs_dlogp"] < FP32_TOL, r
+        assert not r["suspect"]
+
+
+def test_bf16_push_is_exact_and_stays_at_the_engine_floor(bf16_family, tmp_path):
+    (r,) = run_worker(bf16_family, tmp_path, scenario="bf16")
+    # Pushing the checkpoint's own (bf16) weights back changes nothing at all.
+    assert r["identity"] == {"version": r["version_pushed"] - 1, "max_abs_diff": 0.0}, r
+    assert r["error"] is None, r
+    assert r["version_after"] == r["version_pushed"]
+    assert r["probe"]["passed"], r
+    # After a step: on the same tokens, the gap to an fp32 forward of the
+    # bf16-rounded trained weights stays at the gap the checkpoint had.
+    ratio = r["gap_after_rounded_ref"] / r["gap_v0"]
+    print(f"BF16-FLOOR {bf16_family.family} ratio {ratio:.3f}")
+    if bf16_family.family not in MOE:
+        assert ratio <= FLOOR_RATIO, r
+
+
+# ------------------------------------------------------------------ faults
+# On the tied Llama's fp32 server. The fault file makes the server's worker
+# load a deliberately wrong tensor (server/weights/fault_injection.py).
+TIED = "llama-tied-gqa"
+SCORED = list(range(40, 100))
+
+
+def score(fs: FamilyServer) -> tuple[int, list[float]]:
+    with fs.server.client() as c:
+        r = c.score([SCORED])
+    return r.weight_version, r.results[0].prompt_logprobs[1:]
+
+
+@pytest.mark.parametrize("fp32_family", [TIED], indirect=True)
+def test_probe_catches_a_stale_parameter_and_marks_the_version(fp32_family, tmp_path):
+    fs = fp32_family
+    # The layer is complete (coverage passes) but holds the checkpoint's values.
+    fs.fault_file.write_text("stale:model.layers.1.mlp.down_proj.weight")
+    try:
+        (r,) = run_worker(fs, tmp_path / "stale")
+    finally:
+        fs.fault_file.write_text("")
+    assert r["error_types_by_rank"] == ["WeightMismatchError"] * 2, r
+    assert r["version_now"] == r["version_pushed"]  # committed, then found out
+    status = admin(fs, "/weights/status")
+    assert f"weight_version {r['version_pushed']} is suspect" in status["suspect"]
+    assert status["last_probe"]["mean_abs_dlogp"] > 1e-3 and not status["last_probe"]["passed"]
+    ready = httpx.get(fs.server.url + "/ready")
+    assert ready.status_code == 503 and "suspect" in ready.json()["error"]
+    with fs.server.client() as c:
+        assert c.generate(["x"], sampling=dict(max_tokens=2)).weight_suspect
+    assert "rollout_sidecar_weight_suspect 1.0" in httpx.get(fs.server.url + "/metrics").text
+    # A clean push passes its probe and clears the mark.
+    (r2,) = run_worker(fs, tmp_path / "clean")
+    assert r2["error"] is None and r2["probe"]["passed"] and r2["fp32_gap_scored"] < FP32_TOL
+    assert httpx.get(fs.server.url + "/ready").status_code == 200
+    with fs.server.client() as c:
+        assert not c.generate(["x"], sampling=dict(max_tokens=2)).weight_suspect
+
+
+@pytest.mark.parametrize("fp32_family", [TIED], indirect=True)
+def test_a_layer_left_without_weights_fails_the_push_untouched(fp32_family, tmp_path):
+    fs = fp32_family
+    v, before = score(fs)
+    ready = httpx.get(fs.server.url + "/ready").status_code
+    fs.fault_file.write_text("drop:model.layers.0.self_attn.o_proj.weight")
+    try:
+        (r,) = run_worker(fs, tmp_path)
+    finally:
+        fs.fault_file.write_text("")
+    assert r["error_types_by_rank"] == ["WeightPushError"] * 2, r
+    assert "model.layers.0.self_attn.o_proj (0 of " in r["error"], r
+    assert r["version_now"] == v
+    # Refused before any live tensor changed: bit-identical logprobs, and the
+    # server's readiness is what it was (a refusal is not a broken server).
+    assert score(fs) == (v, before)
+    assert httpx.get(fs.server.url + "/ready").status_code == ready
+
+
+@pytest.mark.parametrize("fp32_family", [TIED], indirect=True)
+def test_non_finite_weights_are_refused_on_every_rank(fp32_family, tmp_path):
+    fs = fp32_family
+    v, before = score(fs)
+    (r,) = run_worker(fs, tmp_path, scenario="nan")
+    assert r["error_types_by_rank"] == ["NonFiniteWeightsError"] * 2, r
+    assert "model.layers.1.mlp.up_proj.weight holds NaN or inf" in r["error"], r
+    assert r["version_now"] == v and score(fs) == (v, before)
+    last = admin(fs, "/weights/status")["last_push"]
+    assert last["outcome"] == "aborted" and "NaN" in last["reason"]
+
+
+@pytest.mark.parametrize("fp32_family", ["mistral"], indirect=True)
+def test_checkpoint_tensors_vllm_drops_are_not_required(fp32_family):
+    # The legacy inv_freq tensors are set aside, so the matrix push above
+    # succeeded without them.
+    index = admin(fp32_family, "/weights/index")
+    assert index["ignored"] == [f"model.layers.{i}.self_attn.rotary_emb.inv_freq"
+                                for i in range(2)]
+    assert not any("inv_freq" in n for n in index["tensors"])

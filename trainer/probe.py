@@ -1,0 +1,85 @@
+"""The post-push probe: does the server now compute what the trainer computes?
+
+After a commit, every trainer rank runs its own forward pass over one fixed
+token sequence (a collective under FSDP, so all ranks take part in step) and
+rank 0 sends the per-token logprobs to `POST /weights/verify`, where the server
+scores the same tokens under the version just committed and records the gap.
+
+What it catches that the wire CRCs cannot: a parameter vLLM skipped or
+mis-mapped, a layer whose derived state (a CPU prepack, a fused copy) was not
+rebuilt, a wrong name mapping. What it costs: one forward of `PROBE_TOKENS`
+tokens on every rank and one prefill on the server, a few ms to ~100 ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+PROBE_TOKENS = 64
+_SEED = 20261122
+
+# Largest acceptable mean |dlogp| over the probe, by the coarser of the two
+# sides' logit precision. fp32 serving matches a fp32 forward to ~1e-7; bf16
+# and fp16 round differently in each engine, so only gross errors show there.
+DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.05, torch.bfloat16: 0.1}
+
+Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def probe_token_ids(vocab_size: int, max_model_len: int) -> list[int]:
+    """The same sequence on every rank and every push: fixed seed."""
+    n = max(2, min(PROBE_TOKENS, max_model_len - 1))
+    g = torch.Generator().manual_seed(_SEED)
+    return torch.randint(0, vocab_size, (n,), generator=g).tolist()
+
+
+def default_tolerance(serve_dtype: torch.dtype, logits_dtype: torch.dtype) -> float:
+    coarse = max((serve_dtype, logits_dtype), key=lambda d: DEFAULT_TOLERANCE.get(d, 0.1))
+    return DEFAULT_TOLERANCE.get(coarse, 0.1)
+
+
+def hf_forward(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The default forward: a transformers causal LM (or anything returning logits)."""
+    out = model(input_ids=input_ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+@contextmanager
+def _eval(model: nn.Module) -> Any:
+    # Dropout off for the probe; the training mode comes back afterwards.
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was)
+
+
+def input_device(model: nn.Module, device: torch.device | None) -> torch.device:
+    if device is not None:
+        return device
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and mesh.device_type != "cpu":  # FSDP2, maybe offloaded
+            return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        return p.device if not p.is_meta else torch.device("cpu")
+    return torch.device("cpu")
+
+
+def trainer_logprobs(model: nn.Module, token_ids: list[int], device: torch.device | None,
+                     forward: Forward | None = None) -> tuple[list[float], torch.dtype]:
+    """logprob of token i given tokens < i, for i >= 1; and the logits' dtype."""
+    ids = torch.tensor([token_ids], device=input_device(model, device))
+    with _eval(model):
+        logits = (forward or hf_forward)(model, ids)
+    if hasattr(logits, "full_tensor"):  # a DTensor from a tensor-parallel head
+        logits = logits.full_tensor()
+    lp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+    picked = lp.gather(-1, ids[0, 1:, None])[:, 0]
+    return picked.cpu().tolist(), logits.dtype
