@@ -69,7 +69,8 @@ def timed_pushes(url: str, token: str, model: torch.nn.Module, version: int, rep
                  bucket_mb: float) -> tuple[list[dict[str, float]], int, int]:
     from rollout_sidecar.trainer import WeightPusher
 
-    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=bucket_mb)
+    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=bucket_mb,
+                          verify=False)  # the transfer path alone; the probe is measured apart
     runs = []
     try:
         for i in range(repeats + 1):  # the first connects and allocates: warm-up
@@ -136,7 +137,8 @@ def rss_child(ckpt: str, url: str, token: str, version: int, bucket_mb: float,
     torch.set_num_threads(threads)
 
     model = load_trainer_model(Path(ckpt), getattr(torch, trainer_dtype))
-    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=bucket_mb)
+    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=bucket_mb,
+                          verify=False)  # the transfer path alone; the probe is measured apart
     # Return freed loader memory to the OS, so a push cannot hide in reused pages.
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     res: dict[str, Any] = {}
@@ -180,7 +182,7 @@ def per_param_push(url: str, token: str, model: torch.nn.Module, version: int) -
     once at commit where TRL loads per parameter, so it flatters the baseline."""
     from rollout_sidecar.trainer import WeightPusher
 
-    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=1e-6)
+    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=1e-6, verify=False)
     pusher.push(model, version=version)  # connect + allocate outside the timing
     send = pusher.transport.send
     calls = 0

@@ -31,20 +31,35 @@ class _Reply(BaseModel):
 # --------------------------------------------------------------------- generate
 
 
+def _range(**bounds: object) -> dict:
+    # In the OpenAPI schema, but checked by `range_error`, so that an
+    # out-of-range value is a 400 naming the field rather than a 422.
+    return {"json_schema_extra": bounds}
+
+
 class SamplingConfig(_Strict):
     """Sampling parameters, applied to every prompt of a request.
 
     Types are checked by pydantic (a wrong type is a 422); value ranges are
     checked by `range_error` (an out-of-range value is a 400 with the reason).
+    The ranges are vLLM's own, so nothing reaches the engine it would refuse.
     """
 
-    n: int = Field(1, description="Samples per prompt, 1..1024.")
-    max_tokens: int = Field(64, description="New tokens per sample at most, >= 1.")
-    temperature: float = Field(1.0, description="0 is greedy; 0..100.")
-    top_p: float = Field(1.0, description="Nucleus mass, (0, 1].")
-    top_k: int = Field(0, description="0 disables top-k; else >= 1.")
-    seed: int | None = Field(None, description="Same seed, same request: same tokens.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings, at most 64.")
+    n: int = Field(1, description="Samples per prompt, 1..1024.",
+                   **_range(minimum=1, maximum=1024))
+    max_tokens: int = Field(64, description="New tokens per sample at most, >= 1.",
+                            **_range(minimum=1))
+    temperature: float = Field(1.0, description="0 is greedy; 0..2 (vLLM's range).",
+                               **_range(minimum=0, maximum=2))
+    top_p: float = Field(1.0, description="Nucleus mass, (0, 1].",
+                         **_range(exclusiveMinimum=0, maximum=1))
+    top_k: int = Field(0, description="0 disables top-k; else >= 1.", **_range(minimum=0))
+    seed: int | None = Field(None, description="Same seed, same request: same tokens.",
+                             **_range(minimum=-(2**63), maximum=2**63 - 1))
+    stop: list[str] = Field(default_factory=list, description="Stop strings: at most 64, each "
+                            "1..1024 characters.",
+                            **_range(maxItems=64, items={"type": "string", "minLength": 1,
+                                                         "maxLength": 1024}))
     logprobs: bool = Field(True, description="Return the logprob of each sampled token.")
     prompt_logprobs: bool = Field(
         False, description="Also return the logprob of every prompt token under the served "
@@ -56,10 +71,13 @@ class SamplingConfig(_Strict):
         checks = [
             ("n", 1 <= self.n <= 1024, "must be in 1..1024"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in 64 bits"),
             ("stop", len(self.stop) <= 64, "at most 64 stop strings"),
+            ("stop", all(1 <= len(s) <= 1024 for s in self.stop),
+             "stop strings must be 1..1024 characters"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -70,8 +88,13 @@ class SamplingConfig(_Strict):
 class GenerateRequest(_Strict):
     """`POST /generate`: give exactly one of `prompts` or `prompt_token_ids`."""
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["prompts"]}, {"required": ["prompt_token_ids"]}]})
+
     prompts: list[str] | None = Field(None, min_length=1)
-    prompt_token_ids: list[list[int]] | None = Field(None, min_length=1)
+    prompt_token_ids: list[list[int]] | None = Field(
+        None, min_length=1, **_range(items={"type": "array", "minItems": 1,
+                                            "items": {"type": "integer", "minimum": 0}}))
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     min_weight_version: int | None = Field(
         None,
@@ -133,6 +156,7 @@ class GenerateResponse(_Reply):
         "weight_versions serving logprobs beyond tolerance from its own forward pass "
         "(see /weights/status). Such tokens are not from the trained policy."
     )
+    boot_id: str = Field("", description="The server process's boot id (see /weights/status).")
     usage: Usage
 
 
@@ -146,6 +170,7 @@ class InfoResponse(BaseModel):
     max_model_len: int
     vocab_size: int
     weight_version: int
+    boot_id: str
     num_parameters: int
     commit_policy: CommitPolicy
     transports: list[str]
@@ -155,11 +180,19 @@ class HealthResponse(BaseModel):
     status: Literal["ok"]
 
 
+class ErrorItem(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
 class ErrorResponse(BaseModel):
-    """Body of every 4xx/5xx the server answers on purpose."""
+    """Body of every 4xx/5xx the server answers: what went wrong, the field it
+    names (dotted, e.g. `sampling.top_p`), and for a 422 every schema error."""
 
     error: str
     field: str | None = None
+    detail: list[ErrorItem] | None = None
 
 
 # --------------------------------------------------------------------- weights
@@ -189,7 +222,10 @@ class BucketManifest(_Strict):
 class ConnectRequest(_Strict):
     connection_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
     backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = Field(300.0, gt=0)
+    timeout_s: float = Field(300.0, gt=0, le=3600, description="How long to wait for the "
+                             "trainer to join the group (capped by the server).")
+    takeover: bool = Field(False, description="Replace another trainer's connection even "
+                           "within its lease (that trainer's next begin is refused).")
 
 
 class ConnectResponse(BaseModel):
@@ -200,12 +236,19 @@ class ConnectResponse(BaseModel):
 class BeginRequest(_Strict):
     version: int = Field(description="Weight version this push becomes; must increase.")
     transport: Transport = "gloo"
+    connection_id: str | None = Field(
+        None, description="gloo/nccl: the connection that carries the data; it must own the "
+        "data plane.")
+    commit_policy: CommitPolicy | None = Field(
+        None, description="In-flight requests at this push's commit; default: the server's.")
     buckets: list[BucketManifest] = Field(min_length=1)
 
 
 class BeginResponse(BaseModel):
     push_id: str
-    deadline_s: float
+    deadline_s: float = Field(description="The push must commit within this; the server ends "
+                              "it after.")
+    commit_policy: CommitPolicy
 
 
 class CommitRequest(_Strict):
@@ -215,6 +258,9 @@ class CommitRequest(_Strict):
 
 class CommitResponse(BaseModel):
     weight_version: int
+    push_id: str
+    commit_policy: CommitPolicy = Field(description="The policy the commit used: `abort` if "
+                                        "a `wait` drain ran past commit_drain_s.")
     timings: dict[str, float]
 
 
@@ -227,6 +273,7 @@ class LastPush(BaseModel):
     version: int
     outcome: Literal["committed", "failed", "aborted"]
     reason: str | None = None
+    push_id: str | None = None
 
 
 class ProbeRequest(_Strict):
@@ -272,10 +319,18 @@ class WeightStatus(_Reply):
     dtype: str
     vocab_size: int
     max_model_len: int
+    boot_id: str = Field(description="New at every server start: a change means the server "
+                         "restarted, back on its checkpoint's weights.")
+    push_state: Literal["idle", "receiving", "committing"]
     push_in_progress: bool
+    push_id: str | None = None
     connected: str | None = Field(description="Connection id of the data plane, if any.")
     data_plane_port: int
     transports: list[str]
+    push_timeout_s: float = Field(description="The deadline of one push, begin to commit.")
+    commit_drain_s: float = Field(description="Longest wait for in-flight requests at a commit.")
+    broken: str | None = Field(None, description="Set after a load failed mid-commit: "
+                               "/generate answers 503 until a push succeeds.")
     last_push: LastPush | None = None
     last_probe: ProbeResult | None = Field(
         None, description="The trainer's post-push probe of the latest version that ran one.")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -15,11 +17,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout_sidecar.server.config import ServerSettings
-from rollout_sidecar.server.engine import BadRequest, GenerationEngine
+from rollout_sidecar.server.engine import GenerationEngine
+from rollout_sidecar.server.errors import BadRequest, PushConflict, ServiceUnavailable
 from rollout_sidecar.server.metrics import ServerMetrics
+from rollout_sidecar.server.openapi import install_openapi
 from rollout_sidecar.server.routes import generate, health, metrics, weights
 from rollout_sidecar.server.version_gate import MinVersionTimeout
-from rollout_sidecar.server.weights.service import TRANSPORTS, PushConflict, WeightService
+from rollout_sidecar.server.weights.service import TRANSPORTS, WeightService
 
 log = logging.getLogger("rollout_sidecar.server")
 
@@ -38,39 +42,46 @@ def resolve_model(settings: ServerSettings) -> Path:
     return ensure_default_model(settings.cache_dir)
 
 
-EngineFactory = Callable[[ServerSettings, Path, ServerMetrics], Any]
+EngineFactory = Callable[..., Any]
+
+
+def _error(status: int, message: str, field: str | None = None, detail: list | None = None,
+           headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "field": field, "detail": detail},
+                        status_code=status, headers=headers)
 
 
 def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = None) -> FastAPI:
     """`engine_factory` exists for unit tests that say they use a fake engine."""
     factory = engine_factory or GenerationEngine
     app_metrics = ServerMetrics()
-
-    def mark_broken(reason: str) -> None:
-        app.state.ready = False
-        app.state.not_ready_reason = reason
+    boot_id = uuid.uuid4().hex[:12]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         model_path = resolve_model(settings)
-        log.info("loading %s", model_path)
-        engine = factory(settings, model_path, app_metrics)
-        await engine.start()
-        app.state.engine = engine
-        app.state.weights = WeightService(engine, settings, app_metrics, mark_broken)
-        await app.state.weights.start()
-        app.state.ready = True
-        log.info("ready: weight_version=%d", engine.gate.version)
-        try:
-            yield
-        finally:
-            app.state.ready = False
-            await app.state.weights.stop()
-            engine.shutdown()
+        log.info("loading %s (boot %s)", model_path, boot_id)
+        engine = factory(settings, model_path, app_metrics, boot_id)
+        # Every error path below releases what was started: engine processes, port.
+        with contextlib.ExitStack() as stack:
+            stack.callback(engine.shutdown)
+            await engine.start()
+            app.state.engine = engine
+            app.state.weights = WeightService(engine, settings, app_metrics, boot_id)
+            app.state.weights.start()
+            stack.callback(app.state.weights.plane.stop)
+            app.state.ready = True
+            log.info("ready: weight_version=%d", engine.gate.version)
+            try:
+                yield
+            finally:
+                app.state.ready = False
+                await app.state.weights.stop()
 
     app = FastAPI(title="rollout-sidecar", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = app_metrics
+    app.state.boot_id = boot_id
     app.state.engine = None
     app.state.ready = False
     app.state.not_ready_reason = "model loading"
@@ -78,16 +89,20 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
     app.state.transports = TRANSPORTS
     for module in (generate, health, metrics, weights):
         app.include_router(module.router)
+    install_openapi(app)
 
     @app.middleware("http")
     async def drain_and_measure(request: Request, call_next: Callable) -> Any:
         path = request.url.path
         if app.state.draining and path not in _ALWAYS_OPEN:
-            return JSONResponse({"error": "server is shutting down"}, status_code=503,
-                                headers={"Retry-After": "5"})
+            return _error(503, "server is shutting down", headers={"Retry-After": "5"})
         route = path if path in _ROUTES else "other"
         t0 = time.perf_counter()
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception:  # counted, then answered as a 500 by Starlette
+            app_metrics.requests.labels(route, "500").inc()
+            raise
         app_metrics.latency.labels(route).observe(time.perf_counter() - t0)
         app_metrics.requests.labels(route, str(response.status_code)).inc()
         return response
@@ -97,28 +112,31 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
         errors = exc.errors()
         first = errors[0] if errors else {}
         field = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return JSONResponse(
-            {"error": f"{field or 'body'}: {first.get('msg', 'invalid')}", "field": field,
-             "detail": [{"loc": list(e["loc"]), "msg": e["msg"]} for e in errors]},
-            status_code=422,
-        )
+        return _error(422, f"{field or 'body'}: {first.get('msg', 'invalid')}", field,
+                      [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+                       for e in errors])
 
     @app.exception_handler(BadRequest)
     async def on_bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return JSONResponse({"error": str(exc), "field": exc.field}, status_code=400)
+        return _error(400, str(exc), exc.field)
 
     @app.exception_handler(MinVersionTimeout)
     async def on_version_timeout(_: Request, exc: MinVersionTimeout) -> JSONResponse:
-        return JSONResponse({"error": str(exc), "field": "min_weight_version"}, status_code=409)
+        return _error(409, str(exc), "min_weight_version")
 
     @app.exception_handler(PushConflict)
     async def on_push_conflict(_: Request, exc: PushConflict) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=409)
+        retry = exc.retry_after_s
+        return _error(409, str(exc), headers=None if retry is None else
+                      {"Retry-After": str(max(1, math.ceil(retry)))})
+
+    @app.exception_handler(ServiceUnavailable)
+    async def on_unavailable(_: Request, exc: ServiceUnavailable) -> JSONResponse:
+        return _error(503, str(exc), headers={"Retry-After": "5"})
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": exc.detail}, status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     return app
 

@@ -43,6 +43,12 @@ class ServerSettings(BaseSettings):
         description="Fraction of device memory (of node memory on CPU) for weights + KV cache.",
     )
     max_num_seqs: int = Field(256, ge=1, description="Sequences batched at once.")
+    max_sequences_per_request: int = Field(
+        4096, ge=1, description="Cap on prompts x n in one /generate request (400 above it), "
+        "so one request cannot queue work for minutes.")
+    max_prompt_bytes: int | None = Field(
+        None, ge=1, description="Longest prompt string in bytes, checked before tokenising; "
+        "default 32 bytes per token of max_model_len.")
     enforce_eager: bool = Field(True, description="Skip graph capture: faster start.")
     seed: int = Field(0, description="Engine seed.")
 
@@ -65,7 +71,21 @@ class ServerSettings(BaseSettings):
         None, description="Address the data-plane TCPStore listens on; default: `host`."
     )
     push_timeout_s: float = Field(
-        600.0, gt=0, description="Deadline for one push, begin to commit."
+        300.0, gt=0, description="The one deadline of a push, begin to commit; trainers "
+        "read it from /weights/status and use it for their data-plane timeouts too."
+    )
+    commit_drain_s: float = Field(
+        30.0, ge=0, description="Policy wait: how long a commit waits for in-flight requests "
+        "before it aborts them; no request is held at the gate longer than this plus the load."
+    )
+    connection_lease_s: float = Field(
+        30.0, ge=0, description="A trainer's data-plane connection is its own for this long "
+        "after its last push call; another trainer's connect is refused within it (or takes "
+        "over with takeover=true)."
+    )
+    connect_timeout_max_s: float = Field(
+        300.0, gt=0, description="Cap on how long /weights/connect waits for the trainer to "
+        "join the data-plane group."
     )
     min_version_wait_s: float = Field(
         60.0, ge=0, description="How long /generate waits for min_weight_version before 409."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
@@ -17,8 +18,10 @@ from rollout_sidecar.client.schema import (
     SamplingConfig,
     Usage,
 )
+from rollout_sidecar.server import request_checks
 from rollout_sidecar.server.checkpoint_index import CheckpointIndex
 from rollout_sidecar.server.config import ServerSettings
+from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.metrics import ServerMetrics
 from rollout_sidecar.server.version_gate import VersionGate
 
@@ -26,14 +29,6 @@ log = logging.getLogger(__name__)
 
 # Registered by our vLLM general plugin in every worker process.
 WEIGHT_TRANSFER_BACKEND = "rollout_sidecar"
-
-
-class BadRequest(ValueError):
-    """A request the engine cannot serve; answered with 400 naming the field."""
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass
@@ -45,13 +40,30 @@ class EngineInfo:
     vocab_size: int
 
 
+@dataclass(eq=False)
+class _Track:
+    """One submitted prompt: its output queue, and the version it finished on."""
+
+    collector: Any
+    finish_version: int | None = None
+
+
+async def _shielded(coro: Any) -> None:
+    # An abort must reach the engine even while our own task is being cancelled.
+    with contextlib.suppress(Exception):
+        await asyncio.shield(coro)
+
+
 class GenerationEngine:
-    def __init__(self, settings: ServerSettings, model_path: Path, metrics: ServerMetrics) -> None:
+    def __init__(self, settings: ServerSettings, model_path: Path, metrics: ServerMetrics,
+                 boot_id: str = "") -> None:
         self.settings = settings
         self.model_path = model_path
         self.metrics = metrics
+        self.boot_id = boot_id
         self.index = CheckpointIndex.from_checkpoint(model_path)
         self.gate = VersionGate(0)
+        self._tracks: set[_Track] = set()
         self.llm: Any = None
         self.tokenizer: Any = None
         self.info: EngineInfo | None = None
@@ -101,66 +113,65 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ generate
 
-    def _prompt_ids(self, req: GenerateRequest) -> list[list[int]]:
-        assert self.info is not None
-        if req.prompts is not None:
-            ids = [self.tokenizer(p).input_ids for p in req.prompts]
-            field = "prompts"
-        else:
-            ids = req.prompt_token_ids or []
-            field = "prompt_token_ids"
-        for i, p in enumerate(ids):
-            if len(p) == 0:
-                raise BadRequest(f"{field}[{i}] is empty after tokenization", f"{field}[{i}]")
-            if len(p) >= self.info.max_model_len:
-                raise BadRequest(
-                    f"{field}[{i}] has {len(p)} tokens; max_model_len is "
-                    f"{self.info.max_model_len} (prompt plus at least one new token)",
-                    f"{field}[{i}]",
-                )
-            bad = [t for t in p if not 0 <= t < self.info.vocab_size]
-            if bad:
-                raise BadRequest(
-                    f"{field}[{i}] has token id {bad[0]} outside the vocabulary "
-                    f"[0, {self.info.vocab_size})", f"{field}[{i}]",
-                )
-        return ids
-
-    def _sampling_params(self, req: GenerateRequest, prompt_index: int) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        s = req.sampling
-        # One seed per prompt: the same request replays exactly, yet prompts of
-        # one request do not share their random draws.
-        seed = None if s.seed is None else (s.seed + prompt_index * 1_000_003) % (2**63)
-        try:
-            return SamplingParams(
-                n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                top_k=s.top_k, seed=seed, stop=s.stop or None,
-                logprobs=0 if s.logprobs else None,
-                prompt_logprobs=0 if s.prompt_logprobs else None,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-        except ValueError as e:  # vLLM's own range checks
-            raise BadRequest(str(e), "sampling") from e
-
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        if (err := req.sampling.range_error()) is not None:
-            raise BadRequest(err[1], err[0])
-        if req.min_weight_version is not None and req.min_weight_version < 0:
-            raise BadRequest("min_weight_version must be >= 0", "min_weight_version")
-        prompt_ids = self._prompt_ids(req)
-        params = [self._sampling_params(req, i) for i in range(len(prompt_ids))]
-        start_version = await self.gate.admit(
-            req.min_weight_version, self.settings.min_version_wait_s
-        )
-        request_id = uuid.uuid4().hex
-        # All prompts go to the engine at once so it batches them continuously.
-        outputs = await asyncio.gather(*[
-            self._one(ids, params[i], f"{request_id}-{i}") for i, ids in enumerate(prompt_ids)
-        ])
-        end_version = self.gate.version
+        """Run one request's prompts; its tag is the version that produced its
+        tokens (see version_gate.py for how commits are ordered against it)."""
+        assert self.info is not None
+        request_checks.check_request(req, self.settings)
+        prompt_ids = await request_checks.prompt_token_ids(
+            req, self.tokenizer, self.info.max_model_len, self.info.vocab_size,
+            self.settings.max_prompt_bytes or 32 * self.info.max_model_len)
+        params = [request_checks.sampling_params(req, i) for i in range(len(prompt_ids))]
+        lease = await self.gate.admit(req.min_weight_version, self.settings.min_version_wait_s)
+        tracks: list[_Track] = []
+        try:
+            try:  # all prompts enter the engine at once, so it batches them
+                request_id = uuid.uuid4().hex
+                for i, ids in enumerate(prompt_ids):
+                    tracks.append(_Track(await self._submit(ids, params[i], f"{request_id}-{i}")))
+            finally:
+                lease.submitted()
+            self._tracks.update(tracks)
+            outputs = await asyncio.gather(*[self._final(t) for t in tracks])
+        except BaseException:  # cancelled (client gone) or failed: free the engine
+            await _shielded(self.llm.abort([t.collector.request_id for t in tracks
+                                            if t.finish_version is None]))
+            raise
+        finally:
+            self._tracks.difference_update(tracks)
+            lease.finished()
+        return self._response(req, lease.version, prompt_ids, outputs, tracks)
+
+    async def _submit(self, ids: list[int], params: Any, request_id: str) -> Any:
+        from vllm.exceptions import VLLMError
+        from vllm.inputs import TokensPrompt
+
+        try:
+            return await self.llm.add_request(request_id, TokensPrompt(prompt_token_ids=ids),
+                                              params)
+        except VLLMError as e:
+            raise request_checks.as_bad_request(e) from e
+
+    async def _final(self, track: _Track) -> Any:
+        q = track.collector
+        while True:
+            out = q.get_nowait() or await q.get()
+            if out.finished:
+                if track.finish_version is None:
+                    track.finish_version = self.gate.version
+                return out
+
+    def freeze_finished(self) -> None:
+        """Called by a commit just before it publishes: requests whose final
+        output already waits in their queue finished on the current version,
+        however late their coroutine reads it."""
+        for t in self._tracks:
+            pending = getattr(t.collector, "output", None)
+            if t.finish_version is None and pending is not None and pending.finished:
+                t.finish_version = self.gate.version
+
+    def _response(self, req: GenerateRequest, start: int, prompt_ids: list[list[int]],
+                  outputs: list[Any], tracks: list[_Track]) -> GenerateResponse:
         results, prompt_tokens, completion_tokens = [], 0, 0
         for ids, out in zip(prompt_ids, outputs, strict=True):
             samples = [self._sample(c, req.sampling.logprobs) for c in out.outputs]
@@ -172,25 +183,18 @@ class GenerationEngine:
                 if req.sampling.prompt_logprobs else None))
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.generated_tokens.inc(completion_tokens)
-        versions = self.gate.versions_between(start_version, end_version)
+        # Under wait and abort a commit drains or aborts every admitted request
+        # before the swap, so all tokens are from `start`; under keep they run on.
+        end = max((t.finish_version or start) for t in tracks) \
+            if self.settings.commit_policy == "keep" else start
+        versions = self.gate.versions_between(start, end)
         return GenerateResponse(
-            results=results,
-            weight_version=start_version,
-            weight_versions=versions,
+            results=results, weight_version=start, weight_versions=versions,
             weight_suspect=any(v in self.gate.suspect for v in versions),
+            boot_id=self.boot_id,
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                         total_tokens=prompt_tokens + completion_tokens),
         )
-
-    async def _one(self, ids: list[int], params: Any, request_id: str) -> Any:
-        from vllm.inputs import TokensPrompt
-
-        final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params,
-                                           request_id):
-            final = out
-        assert final is not None
-        return final
 
     async def score(self, token_ids: list[int], version: int) -> list[float]:
         """logprob of token i given tokens < i (i >= 1) under `version`, which

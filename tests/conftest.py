@@ -46,6 +46,8 @@ def start_server(tmp: Path, name: str, extra_env: dict | None = None,
                ROLLOUT_SIDECAR_ADMIN_TOKEN=secrets.token_hex(8),
                ROLLOUT_SIDECAR_CACHE_DIR=str(cache), VLLM_CPU_KVCACHE_SPACE="1",
                ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S="3",
+               # Each torchrun worker is a new trainer: no waiting out the last one's lease.
+               ROLLOUT_SIDECAR_CONNECTION_LEASE_S="1",
                PYTHONUNBUFFERED="1", **(extra_env or {}))
     log = tmp / f"{name}.log"
     extra = (["--model", str(model)] if model else []) + (["--dtype", dtype] if dtype else [])

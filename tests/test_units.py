@@ -81,7 +81,7 @@ def test_version_gate_waits_for_min_version_and_holds_during_commit():
 def test_manifest_check_refuses_partial_wrong_shape_and_dtype():
     from rollout_sidecar.client.schema import BeginRequest
     from rollout_sidecar.server.checkpoint_index import CheckpointIndex, TensorSpec
-    from rollout_sidecar.server.engine import BadRequest
+    from rollout_sidecar.server.errors import BadRequest
     from rollout_sidecar.server.weights.manifest_check import check_manifest
 
     index = CheckpointIndex({"a": TensorSpec((4,), "bfloat16"), "b": TensorSpec((2, 2),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ from rollout_sidecar.client.schema import (
     BeginResponse,
     CommitResponse,
     ConnectResponse,
+    LastPush,
     ProbeRequest,
     ProbeResult,
     WeightIndex,
@@ -27,6 +29,11 @@ class NonFiniteWeightsError(WeightPushError):
     """A tensor held NaN or infinity; nothing was sent, the old weights serve."""
 
 
+class ServerRestartedError(WeightPushError):
+    """The server restarted since the last push and serves its checkpoint's
+    weights again (raised with `on_server_restart="raise"`)."""
+
+
 class WeightMismatchError(WeightPushError):
     """The push committed, but the server's logprobs for the probe sequence
     differ from the trainer's own forward pass by more than the tolerance. The
@@ -36,7 +43,7 @@ class WeightMismatchError(WeightPushError):
 class WeightAdminClient:
     """Token from the argument or $ROLLOUT_SIDECAR_ADMIN_TOKEN (never logged)."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 600.0) -> None:
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 60.0) -> None:
         token = token if token is not None else os.environ.get("ROLLOUT_SIDECAR_ADMIN_TOKEN")
         self.base_url = base_url
         self._http = httpx.Client(base_url=base_url, headers=auth_headers(token),
@@ -47,6 +54,10 @@ class WeightAdminClient:
             r = self._http.request(method, path, **kw)
         except httpx.TransportError as e:
             raise WeightPushError(f"{method} {path}: server unreachable: {e}") from e
+        return self._check(r, method, path)
+
+    @staticmethod
+    def _check(r: httpx.Response, method: str, path: str) -> dict:
         if r.is_error:
             try:
                 msg = r.json().get("error", r.text)
@@ -66,25 +77,45 @@ class WeightAdminClient:
             "POST", "/weights/verify", content=req.model_dump_json(),
             headers={"Content-Type": "application/json"}))
 
-    def connect(self, connection_id: str, backend: str, timeout_s: float) -> ConnectResponse:
-        return ConnectResponse.model_validate(self._call("POST", "/weights/connect", json={
-            "connection_id": connection_id, "backend": backend, "timeout_s": timeout_s}))
+    def connect(self, connection_id: str, backend: str, timeout_s: float,
+                takeover: bool = False, lease_wait_s: float = 60.0) -> ConnectResponse:
+        """While another connection's lease runs (a trainer that just restarted
+        finds its old self there), wait as the server's Retry-After says, up to
+        `lease_wait_s`; a trainer that is really pushing keeps renewing it, and
+        then this raises with the server's reason."""
+        body = {"connection_id": connection_id, "backend": backend, "timeout_s": timeout_s,
+                "takeover": takeover}
+        deadline = time.monotonic() + lease_wait_s
+        while True:
+            try:
+                r = self._http.post("/weights/connect", json=body, timeout=timeout_s + 30)
+            except httpx.TransportError as e:
+                raise WeightPushError(f"POST /weights/connect: server unreachable: {e}") from e
+            retry = r.headers.get("Retry-After")
+            if r.status_code == 409 and retry and time.monotonic() + float(retry) < deadline:
+                time.sleep(float(retry))
+                continue
+            return ConnectResponse.model_validate(self._check(r, "POST", "/weights/connect"))
 
-    def begin(self, version: int, transport: str, buckets: list[dict]) -> BeginResponse:
+    def begin(self, version: int, transport: str, buckets: list[dict],
+              connection_id: str | None, commit_policy: str | None) -> BeginResponse:
         return BeginResponse.model_validate(self._call("POST", "/weights/begin", json={
-            "version": version, "transport": transport, "buckets": buckets}))
+            "version": version, "transport": transport, "connection_id": connection_id,
+            "commit_policy": commit_policy, "buckets": buckets}))
 
     def put_bucket(self, push_id: str, index: int, data: bytes, checksum: int) -> None:
         self._call("PUT", f"/weights/bucket/{index}", content=data, headers={
             "X-Push-Id": push_id, "X-Checksum": str(checksum),
             "Content-Type": "application/octet-stream"})
 
-    def commit(self, push_id: str, checksums: list[int]) -> CommitResponse:
+    def commit(self, push_id: str, checksums: list[int], timeout_s: float) -> CommitResponse:
+        """Waits for the server's verify + drain + load: `timeout_s` covers them."""
         return CommitResponse.model_validate(self._call("POST", "/weights/commit", json={
-            "push_id": push_id, "checksums": checksums}))
+            "push_id": push_id, "checksums": checksums}, timeout=timeout_s))
 
-    def abort(self, push_id: str, reason: str) -> None:
-        self._call("POST", "/weights/abort", json={"push_id": push_id, "reason": reason})
+    def abort(self, push_id: str, reason: str) -> LastPush:
+        return LastPush.model_validate(self._call("POST", "/weights/abort", json={
+            "push_id": push_id, "reason": reason}))
 
     def close(self) -> None:
         self._http.close()

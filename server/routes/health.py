@@ -36,6 +36,8 @@ async def ready(request: Request) -> HealthResponse:
     if not state.ready:
         raise HTTPException(503, state.not_ready_reason)
     gate = state.engine.gate
+    if gate.broken is not None:  # a load failed mid-commit: unusable until a push succeeds
+        raise HTTPException(503, gate.broken)
     if gate.version in gate.suspect:  # out of rotation until a push passes its probe
         raise HTTPException(503, gate.suspect[gate.version])
     return HealthResponse(status="ok")
@@ -53,6 +55,7 @@ async def info(request: Request) -> InfoResponse:
         max_model_len=engine.info.max_model_len,
         vocab_size=engine.info.vocab_size,
         weight_version=engine.gate.version,
+        boot_id=engine.boot_id,
         num_parameters=engine.index.num_parameters,
         commit_policy=request.app.state.settings.commit_policy,
         transports=request.app.state.transports,

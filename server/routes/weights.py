@@ -12,6 +12,7 @@ from rollout_sidecar.client.schema import (
     CommitResponse,
     ConnectRequest,
     ConnectResponse,
+    LastPush,
     ProbeRequest,
     ProbeResult,
     WeightIndex,
@@ -66,7 +67,7 @@ async def commit(body: CommitRequest, request: Request) -> CommitResponse:
     return await _svc(request).commit(body)
 
 
-@router.post("/abort")
-async def abort(body: AbortRequest, request: Request) -> dict:
-    await _svc(request).abort(body.push_id, body.reason)
-    return {"aborted": body.push_id}
+@router.post("/abort", response_model=LastPush)
+async def abort(body: AbortRequest, request: Request) -> LastPush:
+    """End a push that has not started committing; aborting it twice is fine."""
+    return await _svc(request).abort(body.push_id, body.reason)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rollout_sidecar.client.schema import BeginRequest
 from rollout_sidecar.server.checkpoint_index import CheckpointIndex
-from rollout_sidecar.server.engine import BadRequest
+from rollout_sidecar.server.errors import BadRequest
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
              "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}

@@ -1,20 +1,23 @@
-"""One push at a time: connect, begin, (buckets), commit or abort.
+"""The weight routes' logic: connect, begin, buckets, commit, abort, verify.
 
-The model changes in exactly one place, `_commit`, and only after every bucket
-arrived and matched its checksum. Everything else that can go wrong (a bad
-manifest, a dead trainer, a deadline) ends the push while the previous version
-keeps serving, and the reason is kept for the pusher and for /weights/status.
+State lives in two places: who owns the data plane (data_plane.py) and the
+push in progress (push_session.py), both changed only under the session lock.
+The commit sequence here is the only place the model changes:
+
+    WAIT (all buckets, CRCs) -> gate shut, drain -> pause -> LOAD -> finish
+    -> publish version -> resume -> gate open
+
+A refusal before LOAD's point of no return leaves the old weights serving; a
+failure past it marks the gate broken (503) until a push succeeds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
+import contextlib
 import logging
 import time
-import uuid
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,75 +36,65 @@ from rollout_sidecar.client.schema import (
     WeightIndex,
     WeightStatus,
 )
-from rollout_sidecar.server.engine import BadRequest
+from rollout_sidecar.server.errors import BadRequest, PushConflict
+from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.manifest_check import check_manifest
+from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
+from rollout_sidecar.server.weights.push_session import Push, PushFailed, PushSession, PushState
 from rollout_sidecar.server.weights.reload import UNTOUCHED
 
 log = logging.getLogger(__name__)
-POLL_INTERVAL_S = 0.5
+WATCH_S = 0.5
 # NCCL needs a GPU on the server; gloo (host memory) and HTTP work everywhere,
 # including one GPU shared by trainer and server.
 TRANSPORTS = ["gloo", "nccl", "http"] if torch.cuda.is_available() else ["gloo", "http"]
 
 
-class PushConflict(Exception):
-    """409: the push cannot proceed (another push, stale version, failed push)."""
-
-
-@dataclass
-class _Push:
-    push_id: str
-    req: BeginRequest
-    started: float
-    deadline: float
-    watchdog: asyncio.Task | None = None
-    failed: str | None = None
-
-
 class WeightService:
-    def __init__(self, engine: Any, settings: Any, metrics: Any, on_broken: Any) -> None:
+    def __init__(self, engine: Any, settings: Any, metrics: Any, boot_id: str) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
-        self.on_broken = on_broken  # called if a load fails and the weights are unknown
-        self.store: Any = None
-        self.store_port = settings.data_plane_port
-        self.connection: str | None = None
-        self.push: _Push | None = None
-        self.last: LastPush | None = None
+        self.boot_id = boot_id
+        self.plane = DataPlane(engine.llm, settings)
+        self.session = PushSession(self._on_failed)
         self.last_probe: ProbeResult | None = None
-        self._lock = asyncio.Lock()
-
-    @property
-    def bind_host(self) -> str:
-        return self.settings.data_plane_host or self.settings.host
 
     @property
     def llm(self) -> Any:
         return self.engine.llm
 
-    async def start(self) -> None:
-        # The server hosts the rendezvous store: trainers come and go, it stays.
-        self.store = torch.distributed.TCPStore(
-            self.bind_host, self.settings.data_plane_port, is_master=True,
-            wait_for_workers=False, timeout=datetime.timedelta(seconds=60),
-        )
-        self.store_port = self.store.port
+    async def _op(self, op: WorkerOp, **info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(
+            update_info={"op": op.value, **info}))
+
+    def start(self) -> None:
+        self.plane.start()
 
     async def stop(self) -> None:
-        if self.push is not None:
-            await self._fail(self.push, "server shutting down", outcome="aborted")
-        self.store = None
+        async with self.session.lock:
+            p = self.session.current
+            if p is not None and p.state is PushState.RECEIVING:
+                await self.session.fail(p, "server shutting down", outcome="aborted")
+        self.plane.stop()
+
+    # ------------------------------------------------------------ read-only
 
     def status(self) -> WeightStatus:
-        gate, info = self.engine.gate, self.engine.info
+        gate, info, p = self.engine.gate, self.engine.info, self.session.current
         return WeightStatus(
             weight_version=gate.version, dtype=info.dtype, vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len, push_in_progress=self.push is not None,
-            connected=self.connection, data_plane_port=self.store_port, transports=TRANSPORTS,
-            last_push=self.last, last_probe=self.last_probe,
-            suspect=gate.suspect.get(gate.version),
-        )
+            max_model_len=info.max_model_len, boot_id=self.boot_id,
+            push_state=self.session.state.value, push_in_progress=p is not None,
+            push_id=p.push_id if p else None,
+            connected=self.plane.owner.id if self.plane.owner else None,
+            data_plane_port=self.plane.port, transports=TRANSPORTS,
+            push_timeout_s=self.settings.push_timeout_s,
+            commit_drain_s=self.settings.commit_drain_s, last_push=self.session.last,
+            last_probe=self.last_probe, suspect=gate.suspect.get(gate.version),
+            broken=gate.broken)
 
     def index(self) -> WeightIndex:
         idx, serve = self.engine.index, self.engine.info.dtype
@@ -109,6 +102,148 @@ class WeightService:
             tensors={n: TensorInfo(shape=list(t.shape), dtype=idx.push_dtype(t, serve))
                      for n, t in idx.tensors.items()},
             ignored=sorted(idx.ignored), tie_word_embeddings=idx.tie_word_embeddings)
+
+    # -------------------------------------------------------- connect, begin
+
+    async def connect(self, req: ConnectRequest) -> ConnectResponse:
+        async with self.session.lock:
+            if self.session.current is not None:
+                raise PushConflict(f"push {self.session.current.push_id} is in progress on "
+                                   "this server; connect after it ends")
+            return await self.plane.connect(req)
+
+    async def begin(self, req: BeginRequest) -> BeginResponse:
+        async with self.session.lock:
+            if (p := self.session.current) is not None:
+                raise PushConflict(f"push {p.push_id} (version {p.req.version}) is "
+                                   f"{p.state.value}; one push at a time")
+            if req.version <= self.engine.gate.version:
+                raise PushConflict(f"version {req.version} is not newer than the served "
+                                   f"version {self.engine.gate.version}")
+            if req.transport != "http":
+                self.plane.check_owner(req.connection_id)
+            check_manifest(req, self.engine.index, self.engine.info.dtype)
+            push = self.session.new_push(req, req.commit_policy or self.settings.commit_policy,
+                                         self.settings.push_timeout_s)
+            try:
+                await self.llm.start_weight_update()
+                await self._op(WorkerOp.PREPARE if req.transport == "http" else WorkerOp.RECEIVE,
+                               manifest=[b.model_dump() for b in req.buckets])
+            except Exception as e:  # a raising op already ended vLLM's session
+                if req.transport != "http":
+                    await self.plane.drop()
+                raise PushConflict(f"could not start the receive: {e}") from e
+            self.session.current = push
+            asyncio.get_running_loop().create_task(self._watch(push))
+            return BeginResponse(push_id=push.push_id, deadline_s=self.settings.push_timeout_s,
+                                 commit_policy=push.policy)
+
+    async def _watch(self, push: Push) -> None:
+        """Ends a push whose trainer died or stalled, so nothing waits forever."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            async with self.session.lock:
+                if self.session.current is not push or push.state is not PushState.RECEIVING:
+                    return
+                if time.monotonic() > push.deadline:
+                    await self.session.fail(push, f"deadline of {self.settings.push_timeout_s:.0f}"
+                                            "s passed before the commit")
+                    return
+                if push.distributed:
+                    state = await self.plane.side(SideOp.STATE)
+                    if state["receive"] == "failed":
+                        await self.session.fail(push, f"receive failed: {state['receive_error']}")
+                        return
+
+    async def stage_bucket(self, push_id: str, index: int, data: bytes, checksum: int) -> None:
+        async with self.session.lock:
+            push = self.session.require(push_id, PushState.RECEIVING)
+            if push.distributed:
+                raise PushConflict("this push uses the distributed data plane, not HTTP")
+            # Off the event loop: a 256 MiB bucket takes ~60 ms to checksum.
+            if await asyncio.to_thread(zlib.crc32, data) != checksum:
+                await self.session.fail(push, f"bucket {index} checksum mismatch over HTTP")
+                raise PushConflict(f"bucket {index} checksum mismatch; push {push_id} failed")
+            try:
+                await self._op(WorkerOp.STAGE, bucket=index, data=data)
+            except Exception as e:
+                await self.session.fail(push, f"bucket {index} rejected: {e}", session_open=False)
+                raise PushConflict(f"bucket {index} rejected: {e}") from e
+
+    # ------------------------------------------------------- commit, abort
+
+    async def commit(self, req: CommitRequest) -> CommitResponse:
+        return await self.session.commit(req.push_id, lambda p: self._commit(p, req.checksums))
+
+    async def _commit(self, push: Push, checksums: list[int]) -> CommitResponse:
+        t0 = time.monotonic()
+        try:
+            await self._op(WorkerOp.WAIT, checksums=checksums,
+                           timeout_s=max(0.0, push.deadline - time.monotonic()))
+        except Exception as e:
+            raise PushFailed(f"push rejected, version {self.engine.gate.version} still "
+                             f"serving: {e}") from e
+        t_verified = time.monotonic()
+        gate = self.engine.gate
+        async with gate.commit_window(push.policy, self.settings.commit_drain_s) as mode:
+            try:
+                await self.llm.pause_generation(mode=mode, clear_cache=True)
+                await self._load(push)
+                self.engine.freeze_finished()
+                await gate.publish(push.req.version)
+            finally:
+                await self.llm.resume_generation()
+        self.plane.touch()
+        t1 = time.monotonic()
+        self.metrics.pushes.labels("committed").inc()
+        self.metrics.push_seconds.observe(t1 - push.started)
+        self.metrics.commit_seconds.observe(t1 - t_verified)
+        self.metrics.weight_version.set(push.req.version)
+        self.metrics.suspect.set(0)
+        log.info("committed weight_version=%d (%s; gate held %.3fs)", push.req.version, mode,
+                 gate.last_hold_s)
+        return CommitResponse(
+            weight_version=push.req.version, push_id=push.push_id, commit_policy=mode,
+            timings={"transfer_s": t0 - push.started, "verify_s": t_verified - t0,
+                     "commit_s": t1 - t_verified, "gate_hold_s": gate.last_hold_s,
+                     "total_s": t1 - push.started})
+
+    async def _load(self, push: Push) -> None:
+        gate, v = self.engine.gate, push.req.version
+        try:
+            await self._op(WorkerOp.LOAD)  # a raise here has ended vLLM's session
+        except Exception as e:
+            if UNTOUCHED not in str(e):  # past the point of no return
+                gate.broken = (f"the load of weight_version {v} failed mid-commit ({e}); "
+                               "the weights are in an unknown state, so /generate answers 503 "
+                               "until a push succeeds")
+                log.error(gate.broken)
+            raise PushFailed(f"push rejected at load, version {gate.version} "
+                             f"{'still serving' if gate.broken is None else 'unusable'}: {e}"
+                             ) from e
+        # Only releases the staging; vLLM keeps its session open if this raises.
+        await self.llm.finish_weight_update(weight_version=str(v))
+
+    async def abort(self, push_id: str, reason: str) -> LastPush:
+        async with self.session.lock:
+            ended = self.session.ended.get(push_id)
+            if isinstance(ended, LastPush):
+                return ended  # aborting twice is fine
+            push = self.session.require(push_id, PushState.RECEIVING)
+            await self.session.fail(push, reason, outcome="aborted")
+            return self.session.last
+
+    async def _on_failed(self, push: Push, reason: str, outcome: str, session_open: bool
+                         ) -> None:
+        if session_open:
+            with contextlib.suppress(Exception):  # ABORT raises, which ends the session
+                await self._op(WorkerOp.ABORT)
+        if push.distributed:  # the trainer's side of the group is out of step
+            with contextlib.suppress(Exception):
+                await self.plane.drop()
+        self.metrics.pushes.labels(outcome).inc()
+        log.warning("push of version %d %s: %s; version %d keeps serving", push.req.version,
+                    outcome, reason, self.engine.gate.version)
 
     # -------------------------------------------------------------- verify
 
@@ -142,191 +277,3 @@ class WeightService:
                       len(gap))
         self.metrics.suspect.set(int(gate.version in gate.suspect))
         return result
-
-    # ------------------------------------------------------------ connect
-
-    async def connect(self, req: ConnectRequest) -> ConnectResponse:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        async with self._lock:
-            if self.push is not None:
-                raise PushConflict("a push is in progress; connect after it ends")
-            host = self.bind_host
-            info = dict(store_host="127.0.0.1" if host in ("0.0.0.0", "::") else host,
-                        store_port=self.store_port, group_name=f"rs/{req.connection_id}/",
-                        backend=req.backend, timeout_s=req.timeout_s)
-            self.connection = None
-            # Blocks until the trainer joins the group from its side.
-            await asyncio.wait_for(
-                self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
-                req.timeout_s,
-            )
-            self.connection = req.connection_id
-            return ConnectResponse(connection_id=req.connection_id, backend=req.backend)
-
-    # -------------------------------------------------------------- begin
-
-    async def begin(self, req: BeginRequest) -> BeginResponse:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        async with self._lock:
-            if self.push is not None:
-                raise PushConflict(f"push {self.push.push_id} (version "
-                                   f"{self.push.req.version}) is in progress")
-            if req.version <= self.engine.gate.version:
-                raise PushConflict(f"version {req.version} is not newer than the served "
-                                   f"version {self.engine.gate.version}")
-            if req.transport != "http" and self.connection is None:
-                raise PushConflict("data plane not connected: POST /weights/connect first")
-            check_manifest(req, self.engine.index, self.engine.info.dtype)
-            manifest = [b.model_dump() for b in req.buckets]
-            op = "prepare" if req.transport == "http" else "receive"
-            await self.llm.start_weight_update()
-            try:
-                await self.llm.update_weights(WeightTransferUpdateRequest(
-                    update_info={"op": op, "manifest": manifest}))
-            except Exception as e:
-                self._lost_connection()
-                raise PushConflict(f"could not start the receive: {e}") from e
-            now = time.monotonic()
-            push = _Push(uuid.uuid4().hex, req, now, now + self.settings.push_timeout_s)
-            push.watchdog = asyncio.create_task(self._watch(push))
-            self.push = push
-            return BeginResponse(push_id=push.push_id, deadline_s=self.settings.push_timeout_s)
-
-    async def _watch(self, push: _Push) -> None:
-        """Ends a push whose trainer died or stalled, so the gate never stays shut."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        while self.push is push:
-            await asyncio.sleep(POLL_INTERVAL_S)
-            if self.push is not push:
-                return
-            if time.monotonic() > push.deadline:
-                await self._fail(push, f"deadline of {self.settings.push_timeout_s:.0f}s passed")
-                return
-            if push.req.transport == "http":
-                continue
-            try:
-                await self.llm.update_weights(WeightTransferUpdateRequest(
-                    update_info={"op": "poll"}))
-            except Exception as e:
-                await self._fail(push, str(e), session_ended=True)
-                return
-
-    # ------------------------------------------------------------- bucket
-
-    async def stage_bucket(self, push_id: str, index: int, data: bytes, checksum: int) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        push = self._current(push_id)
-        if push.req.transport != "http":
-            raise PushConflict("this push uses the distributed data plane, not HTTP")
-        # Off the event loop: a 256 MiB bucket takes ~60 ms to checksum.
-        if await asyncio.to_thread(zlib.crc32, data) != checksum:
-            await self._fail(push, f"bucket {index} checksum mismatch over HTTP")
-            raise PushConflict(self.last.reason if self.last else "checksum mismatch")
-        try:
-            await self.llm.update_weights(WeightTransferUpdateRequest(
-                update_info={"op": "stage", "bucket": index, "data": data}))
-        except Exception as e:
-            await self._fail(push, str(e), session_ended=True)
-            raise PushConflict(f"bucket {index} rejected: {e}") from e
-
-    # ------------------------------------------------------------- commit
-
-    async def commit(self, req: CommitRequest) -> CommitResponse:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        push = self._current(req.push_id)
-        if push.watchdog is not None:
-            push.watchdog.cancel()
-        t0 = time.monotonic()
-        try:
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info={
-                "op": "wait", "checksums": req.checksums,
-                "timeout_s": max(0.0, push.deadline - time.monotonic())}))
-        except Exception as e:
-            await self._fail(push, str(e), session_ended=True)
-            raise PushConflict(f"push rejected, version {self.engine.gate.version} still "
-                               f"serving: {e}") from e
-        t_verified = time.monotonic()
-        await self._commit(push)
-        t1 = time.monotonic()
-        self.metrics.pushes.labels("committed").inc()
-        self.metrics.push_seconds.observe(t1 - push.started)
-        self.metrics.commit_seconds.observe(t1 - t_verified)
-        return CommitResponse(weight_version=push.req.version, timings={
-            "transfer_s": t0 - push.started, "verify_s": t_verified - t0,
-            "commit_s": t1 - t_verified, "total_s": t1 - push.started})
-
-    async def _commit(self, push: _Push) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        gate = self.engine.gate
-        policy = self.settings.commit_policy
-        async with gate.committing():
-            # pause clears the prefix and KV caches: no stale prefix after the swap.
-            await self.llm.pause_generation(mode=policy, clear_cache=True)
-            try:
-                await self.llm.update_weights(WeightTransferUpdateRequest(
-                    update_info={"op": "load"}))
-                await self.llm.finish_weight_update(weight_version=str(push.req.version))
-            except Exception as e:
-                self.push = None
-                if UNTOUCHED in str(e):  # refused before any live tensor changed
-                    self.last = LastPush(version=push.req.version, outcome="failed",
-                                         reason=f"load refused: {e}")
-                    self.metrics.pushes.labels("failed").inc()
-                    log.warning("push of version %d refused at load: %s; version %d keeps "
-                                "serving", push.req.version, e, gate.version)
-                    raise PushConflict(f"push rejected, version {gate.version} still "
-                                       f"serving: {e}") from e
-                self.last = LastPush(version=push.req.version, outcome="failed",
-                                     reason=f"load failed: {e}")
-                self.on_broken(f"weight load failed mid-commit: {e}")
-                raise
-            finally:
-                await self.llm.resume_generation()
-            await gate.publish(push.req.version)
-            self.metrics.weight_version.set(push.req.version)
-            self.metrics.suspect.set(0)
-        self.push = None
-        self.last = LastPush(version=push.req.version, outcome="committed")
-        log.info("committed weight_version=%d (%s policy)", push.req.version, policy)
-
-    # -------------------------------------------------------------- abort
-
-    async def abort(self, push_id: str, reason: str) -> None:
-        await self._fail(self._current(push_id), reason, outcome="aborted")
-
-    async def _fail(self, push: _Push, reason: str, *, session_ended: bool = False,
-                    outcome: str = "failed") -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        if self.push is not push:
-            return
-        self.push = None
-        if push.watchdog is not None and push.watchdog is not asyncio.current_task():
-            push.watchdog.cancel()
-        if not session_ended:
-            try:  # "abort" raises inside the worker, which ends vLLM's update session
-                await self.llm.update_weights(WeightTransferUpdateRequest(
-                    update_info={"op": "abort"}))
-            except Exception:
-                pass
-        if push.req.transport != "http":
-            self._lost_connection()  # the trainer's side of the group is out of step
-        self.last = LastPush(version=push.req.version, outcome=outcome, reason=reason)
-        self.metrics.pushes.labels(outcome).inc()
-        log.warning("push of version %d %s: %s; version %d keeps serving",
-                    push.req.version, outcome, reason, self.engine.gate.version)
-
-    def _lost_connection(self) -> None:
-        self.connection = None
-
-    def _current(self, push_id: str) -> _Push:
-        if self.push is None or self.push.push_id != push_id:
-            why = f" ({self.last.outcome}: {self.last.reason})" if self.last else ""
-            raise PushConflict(f"push {push_id} is not in progress{why}")
-        return self.push

@@ -1,12 +1,24 @@
-"""vLLM general plugin: registers our weight-transfer backend.
+"""vLLM general plugin, loaded by vLLM in every process it spawns (the engine
+core and its workers) before the model loads. It
 
-vLLM calls this in every process it spawns (the engine core and its workers)
-before the model loads; registering only in the API process is not enough.
+- registers our weight-transfer backend (registering in the API process alone
+  is not enough);
+- adds one worker method, `rollout_sidecar_call`, the side channel of ops.py;
+- asks the kernel to kill vLLM's child processes when their parent dies, so a
+  SIGKILLed server leaves no orphaned EngineCore holding memory and ports.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+
 BACKEND = "rollout_sidecar"
+_PR_SET_PDEATHSIG = 1
+log = logging.getLogger(__name__)
 
 
 def register() -> None:
@@ -17,3 +29,33 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "rollout_sidecar.server.weights.worker_engine", "StagedWeightTransferEngine"
         )
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return  # the API process itself: it owns its lifetime
+    _die_with_parent(parent.pid)
+    _add_worker_method()
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before the signal was armed
+
+
+def _add_worker_method() -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from rollout_sidecar.server.weights.ops import WORKER_METHOD
+
+    def rollout_sidecar_call(self: Worker, op: str, payload: dict | None = None) -> dict:
+        engine = self.weight_transfer_engine
+        if engine is None:
+            raise RuntimeError("weight transfer is not configured on this worker")
+        return engine.side_call(op, payload or {})
+
+    if not hasattr(Worker, WORKER_METHOD):
+        setattr(Worker, WORKER_METHOD, rollout_sidecar_call)

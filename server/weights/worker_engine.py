@@ -1,26 +1,19 @@
 """Our vLLM `WeightTransferEngine`: receive into staging, verify, load on commit.
 
-Runs inside the vLLM worker process. The API process drives it through
-AsyncLLM's own weight-update calls; `update_info["op"]` selects the step:
+Runs inside the vLLM worker process. The API process drives it with
+`WorkerOp`s through AsyncLLM's weight-update calls (any op that raises ends
+vLLM's update session), and with `SideOp`s through the worker method our
+plugin adds (see ops.py). The model changes only in `WorkerOp.LOAD`, and only
+with a complete, CRC-verified set of buckets; the load itself is
+all-or-nothing (reload.py). `finish_weight_update` just releases the staging:
+vLLM leaves its session open when that method raises, so nothing happens there.
 
-- ``receive``: start a background thread that receives every bucket of the
-  manifest over the torch.distributed group (gloo or NCCL). It returns at once,
-  so the engine keeps serving the old weights while bytes arrive.
-- ``stage``: one bucket's bytes that came over HTTP instead.
-- ``poll``: raise if the receive thread has failed (trainer gone, timeout).
-- ``wait``: join the receive thread, then verify every bucket's CRC.
-- ``load``: the commit: load the verified buckets into the model, all of it or
-  none of it (`reload.load_all_or_nothing`). The only place the model changes.
-- ``abort``: drop the staged push.
-
-Any op that raises ends vLLM's update session (vLLM's worker clears it when
-`update_weights` raises, but not when `finish_weight_update` does, which is why
-the load is an op and `finish_weight_update` only releases the staging).
+Blocking work (joining the trainer's group, receiving buckets) runs in
+background threads, so the engine core keeps scheduling generation meanwhile.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 from dataclasses import dataclass
@@ -34,19 +27,19 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rollout_sidecar.server.weights.fault_injection import apply_test_faults
+from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.reload import load_all_or_nothing
 from rollout_sidecar.server.weights.staging import Staging, crc32
+from rollout_sidecar.trainer.transport.pair_group import SERVER_RANK, TRAINER_RANK, pair_group
 
 log = logging.getLogger(__name__)
-
-TRAINER_RANK, WORKER_RANK = 0, 1
 
 
 @dataclass
 class StagedInitInfo(WeightTransferInitInfo):
     store_host: str
     store_port: int
-    group_name: str
+    connection_id: str
     backend: str = "gloo"
     timeout_s: float = 300.0
 
@@ -61,6 +54,24 @@ class StagedUpdateInfo(WeightTransferUpdateInfo):
     timeout_s: float = 300.0
 
 
+class _Joiner(threading.Thread):
+    """Joins the trainer's group; blocks until the trainer does, or times out."""
+
+    def __init__(self, info: StagedInitInfo) -> None:
+        super().__init__(daemon=True, name="rollout-sidecar-connect")
+        self.info = info
+        self.group: Any = None
+        self.error: str | None = None
+
+    def run(self) -> None:
+        i = self.info
+        try:
+            self.group = pair_group(i.store_host, i.store_port, i.connection_id, SERVER_RANK,
+                                    i.backend, i.timeout_s)
+        except BaseException as e:  # reported through SideOp.STATE
+            self.error = f"{type(e).__name__}: {e}"
+
+
 class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo]):
     init_info_cls = StagedInitInfo
     update_info_cls = StagedUpdateInfo
@@ -68,37 +79,62 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.group: Any = None
         self.staging = Staging()
-        self._thread: threading.Thread | None = None
+        self._joiner: _Joiner | None = None
+        self._receiver: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.backend = "gloo"
+        self._verified = False
 
-    # ----------------------------------------------------------- connection
+    # ------------------------------------------------------------ side channel
+
+    def side_call(self, op: str, payload: dict) -> dict:
+        op = SideOp(op)
+        if op is SideOp.CONNECT:
+            self.init_transfer_engine(self.parse_init_info(payload))
+        elif op is SideOp.DISCONNECT:
+            self.shutdown()
+        return self._state()
+
+    def _state(self) -> dict:
+        j = self._joiner
+        if j is None:
+            conn = {"state": "none"}
+        elif j.group is not None:
+            conn = {"state": "connected", "id": j.info.connection_id}
+        elif j.error is not None:
+            conn = {"state": "failed", "id": j.info.connection_id, "error": j.error}
+        else:
+            conn = {"state": "connecting", "id": j.info.connection_id}
+        recv = "failed" if self._error else "running" if self._receiving() else "idle"
+        return {"connection": conn, "receive": recv,
+                "receive_error": str(self._error) if self._error else None}
+
+    # --------------------------------------------------------------- connection
 
     def init_transfer_engine(self, init_info: StagedInitInfo) -> None:
+        """Start joining the trainer's group and return at once."""
         self.shutdown()
-        timeout = datetime.timedelta(seconds=init_info.timeout_s)
-        store = torch.distributed.TCPStore(
-            init_info.store_host, init_info.store_port, is_master=False, timeout=timeout
-        )
-        prefixed = torch.distributed.PrefixStore(init_info.group_name, store)
-        if init_info.backend == "nccl":
-            self.group = torch.distributed.ProcessGroupNCCL(prefixed, WORKER_RANK, 2)
-        else:
-            self.group = torch.distributed.ProcessGroupGloo(prefixed, WORKER_RANK, 2, timeout)
-        self.backend = init_info.backend
-        log.info("weight data plane connected (%s, group %s)", init_info.backend,
-                 init_info.group_name)
+        self._joiner = _Joiner(init_info)
+        self._joiner.start()
+
+    @property
+    def group(self) -> Any:
+        return self._joiner.group if self._joiner is not None else None
+
+    @property
+    def backend(self) -> str:
+        return self._joiner.info.backend if self._joiner is not None else "gloo"
 
     def shutdown(self) -> None:
-        self._join(timeout=1.0)
-        self.group = None
+        # A joiner still blocked in the rendezvous ends by its own timeout.
+        self._join_receiver(timeout=1.0)
+        self._joiner = None
 
-    # --------------------------------------------------------------- session
+    # ------------------------------------------------------------------ session
 
     def start_weight_update(self) -> None:
         self._error = None
+        self._verified = False
         self.staging.release()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -112,42 +148,38 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             raise
 
     def receive_weights(self, info: StagedUpdateInfo) -> None:
-        if info.op == "prepare":  # HTTP transport: buckets come as "stage" ops
+        op = WorkerOp(info.op)
+        if op is WorkerOp.PREPARE:
             self.staging.prepare(info.manifest or [], torch.device("cpu"))
-        elif info.op == "receive":
+        elif op is WorkerOp.RECEIVE:
             if self.group is None:
                 raise RuntimeError("data plane not connected; call /weights/connect first")
             self.staging.prepare(info.manifest or [], self._staging_device())
-            self._thread = threading.Thread(target=self._receive_all, daemon=True,
-                                            name="rollout-sidecar-recv")
-            self._thread.start()
-        elif info.op == "stage":
+            self._receiver = threading.Thread(target=self._receive_all, daemon=True,
+                                              name="rollout-sidecar-recv")
+            self._receiver.start()
+        elif op is WorkerOp.STAGE:
             self._stage_http(info)
-        elif info.op == "poll":
-            if self._error is not None:
-                raise RuntimeError(f"receive failed: {self._error}")
-        elif info.op == "wait":
-            if not self._join(timeout=info.timeout_s):
+        elif op is WorkerOp.WAIT:
+            if not self._join_receiver(timeout=info.timeout_s):
                 raise TimeoutError(f"buckets still arriving after {info.timeout_s:.0f}s")
             if self._error is not None:
                 raise RuntimeError(f"receive failed: {self._error}")
             self.staging.verify(info.checksums or [])
-        elif info.op == "load":
-            if not self.staging.buckets or not all(b.received for b in self.staging.buckets):
-                raise RuntimeError("load called before every bucket arrived and was verified")
+            self._verified = True
+        elif op is WorkerOp.LOAD:
+            if not self._verified:
+                raise RuntimeError("load before every bucket arrived and passed its CRC")
             weights = apply_test_faults(self.staging.tensors(), self.model_config.model)
             load_all_or_nothing(self.model, self.model_config, weights)
             self.staging.release()
-        elif info.op == "abort":
+        elif op is WorkerOp.ABORT:
             raise RuntimeError("push aborted")
-        else:
-            raise ValueError(f"unknown op {info.op!r}")
 
     def finish_weight_update(self) -> None:
-        # The model was loaded by the "load" op; this only ends the session.
         self.staging.release()
 
-    # ------------------------------------------------------------- internals
+    # ---------------------------------------------------------------- internals
 
     def _staging_device(self) -> torch.device:
         # gloo moves host memory; NCCL needs device buffers.
@@ -166,7 +198,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 pending = b
             if pending is not None and pending.buffer.is_cpu:
                 pending.checksum = crc32(pending.buffer)
-        except BaseException as e:  # reported by the next poll/wait
+        except BaseException as e:  # reported by SideOp.STATE and WorkerOp.WAIT
             self._error = e
             log.warning("weight receive failed: %s", e)
 
@@ -182,21 +214,25 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         b.received = True
         b.checksum = None  # recomputed at verify: a re-sent bucket replaces the old bytes
 
+    def _receiving(self) -> bool:
+        return self._receiver is not None and self._receiver.is_alive()
+
     def _discard(self) -> None:
         """Drop the staged push. A receive thread still blocked in recv may yet
         write into its buffers, so those are not pooled, and the group (now out
         of step with the trainer) is dropped: the trainer reconnects."""
-        if self._join(timeout=0.0):
+        self._verified = False
+        if self._join_receiver(timeout=0.0):
             self.staging.release()
         else:
             self.staging.drop_pool()
-            self.group = None
+            self._joiner = None
 
-    def _join(self, timeout: float) -> bool:
-        if self._thread is None:
+    def _join_receiver(self, timeout: float) -> bool:
+        if self._receiver is None:
             return True
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        self._receiver.join(timeout)
+        if self._receiver.is_alive():
             return False
-        self._thread = None
+        self._receiver = None
         return True

@@ -40,8 +40,9 @@ class CapturingServer:
         from rollout_sidecar.client.schema import TensorInfo, WeightIndex, WeightStatus
 
         self.status_ = WeightStatus(weight_version=0, dtype="bfloat16", vocab_size=vocab,
-                                    max_model_len=512, push_in_progress=False,
-                                    connected=None, data_plane_port=0, transports=["http"])
+                                    max_model_len=512, boot_id="gpu-test", push_state="idle",
+                                    push_in_progress=False, connected=None, data_plane_port=0,
+                                    transports=["http"], push_timeout_s=60, commit_drain_s=1)
         self.index_ = WeightIndex(tensors={n: TensorInfo(shape=list(t.shape), dtype="bfloat16")
                                            for n, t in checkpoint.items()},
                                   ignored=[], tie_word_embeddings=False)
@@ -55,21 +56,22 @@ class CapturingServer:
     def index(self):  # noqa: ANN201
         return self.index_
 
-    def begin(self, version, transport, buckets):  # noqa: ANN001, ANN201
+    def begin(self, version, transport, buckets, connection_id, commit_policy):  # noqa: ANN001, ANN201
         from rollout_sidecar.client.schema import BeginResponse
 
         self.manifest = buckets
-        return BeginResponse(push_id="p", deadline_s=60)
+        return BeginResponse(push_id="p", deadline_s=60, commit_policy="wait")
 
     def put_bucket(self, push_id, index, data, checksum) -> None:  # noqa: ANN001
         assert zlib.crc32(data) == checksum
         self.buckets[index] = data
 
-    def commit(self, push_id, checksums):  # noqa: ANN001, ANN201
+    def commit(self, push_id, checksums, timeout_s):  # noqa: ANN001, ANN201
         from rollout_sidecar.client.schema import CommitResponse
 
         assert [zlib.crc32(self.buckets[i]) for i in range(len(checksums))] == checksums
-        return CommitResponse(weight_version=1, timings={})
+        return CommitResponse(weight_version=1, push_id=push_id, commit_policy="wait",
+                              timings={})
 
     def abort(self, push_id, reason) -> None:  # noqa: ANN001
         self.aborted = reason

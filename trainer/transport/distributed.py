@@ -3,12 +3,12 @@
 A two-rank group of its own (trainer rank 0 = sender, the vLLM worker = 1),
 rendezvoused through the server's TCPStore, so it never touches the trainer's
 FSDP process group. Sends are asynchronous; the pusher waits on a bucket's
-send only before reusing its buffer.
+send only before reusing its buffer. The group's timeout is the server's push
+deadline, so a dead server raises on this side as well.
 """
 
 from __future__ import annotations
 
-import datetime
 import threading
 import uuid
 from typing import Any
@@ -17,8 +17,7 @@ from urllib.parse import urlparse
 import torch
 
 from rollout_sidecar.trainer.admin_client import WeightAdminClient, WeightPushError
-
-SERVER_RANK = 1
+from rollout_sidecar.trainer.transport.pair_group import SERVER_RANK, TRAINER_RANK, pair_group
 
 
 class DistributedTransport:
@@ -26,12 +25,12 @@ class DistributedTransport:
     checksum_in_request = False  # the CRCs go with the commit
 
     def __init__(self, admin: WeightAdminClient, backend: str = "gloo",
-                 data_plane_host: str | None = None, timeout_s: float = 300.0) -> None:
+                 data_plane_host: str | None = None, takeover: bool = False) -> None:
         self.admin = admin
         self.backend = backend
         self.name = backend
         self.host = data_plane_host or urlparse(admin.base_url).hostname or "127.0.0.1"
-        self.timeout_s = timeout_s
+        self.takeover = takeover
         self.group: Any = None
         self.connection_id: str | None = None
 
@@ -41,43 +40,46 @@ class DistributedTransport:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def ensure_connected(self) -> None:
+    def ensure_connected(self, status: Any) -> None:
         """(Re)build the group if the server does not hold ours (first push,
-        or after a failed one, which drops the group on both sides)."""
-        status = self.admin.status()
+        a failed one, which drops the group on both sides, or a restart)."""
         if self.group is not None and status.connected == self.connection_id:
             return
         self.group = None
-        self.connection_id = f"{uuid.uuid4().hex[:12]}"
-        # The server's /weights/connect returns only once we joined the group
-        # from this side, so it runs in a thread while we join.
-        err: list[BaseException] = []
+        conn_id = self.connection_id = uuid.uuid4().hex[:12]
+        timeout_s = status.push_timeout_s
+        # The server's /weights/connect returns only once both sides joined the
+        # group, so the two run side by side; a refused connect (another
+        # trainer owns the plane) fails at once instead of waiting out the join.
+        out: dict[str, Any] = {}
 
         def call_connect() -> None:
             try:
-                self.admin.connect(self.connection_id, self.backend, self.timeout_s)
-            except BaseException as e:  # surfaced below
-                err.append(e)
+                self.admin.connect(conn_id, self.backend, timeout_s, self.takeover)
+            except BaseException as e:
+                out["connect_error"] = e
 
-        t = threading.Thread(target=call_connect, daemon=True)
-        t.start()
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        try:
-            store = torch.distributed.TCPStore(self.host, status.data_plane_port,
-                                               is_master=False, timeout=timeout)
-            prefixed = torch.distributed.PrefixStore(f"rs/{self.connection_id}/", store)
-            if self.backend == "nccl":
-                group = torch.distributed.ProcessGroupNCCL(prefixed, 0, 2)
-            else:
-                group = torch.distributed.ProcessGroupGloo(prefixed, 0, 2, timeout)
-        except Exception as e:
-            t.join(5)
-            raise WeightPushError(f"data plane {self.host}:{status.data_plane_port}: {e}"
-                                  ) from (err[0] if err else e)
-        t.join(self.timeout_s)
-        if err:
-            raise WeightPushError(f"connect failed: {err[0]}") from err[0]
-        self.group = group
+        def join() -> None:
+            try:
+                out["group"] = pair_group(self.host, status.data_plane_port, conn_id,
+                                          TRAINER_RANK, self.backend, timeout_s)
+            except BaseException as e:
+                out["join_error"] = e
+
+        connecting = threading.Thread(target=call_connect, daemon=True)
+        joining = threading.Thread(target=join, daemon=True)
+        connecting.start()
+        joining.start()
+        connecting.join()  # bounded: the server caps the connect, the client times out
+        if "connect_error" in out:  # an abandoned join ends by its own timeout
+            raise WeightPushError(f"connect failed: {out['connect_error']}"
+                                  ) from out["connect_error"]
+        joining.join(timeout_s)
+        if "group" not in out:
+            e = out.get("join_error")
+            raise WeightPushError(f"data plane {self.host}:{status.data_plane_port}: "
+                                  f"{e or 'join did not finish'}") from e
+        self.group = out["group"]
 
     def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int | None) -> Any:
         return self.group.send([buf], SERVER_RANK, index)

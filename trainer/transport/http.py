@@ -24,7 +24,9 @@ class HttpTransport:
     def __init__(self, admin: WeightAdminClient) -> None:
         self.admin = admin
 
-    def ensure_connected(self) -> None:
+    connection_id = None
+
+    def ensure_connected(self, status: object) -> None:
         pass
 
     def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int | None) -> Any:

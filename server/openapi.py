@@ -1,0 +1,78 @@
+"""The OpenAPI document, describing what the server really answers: the error
+shape `{error, field, detail}` (not FastAPI's default 422 body), every status
+a route can give, `/metrics` as Prometheus text, and the two bearer tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from rollout_sidecar.client.schema import ErrorResponse
+
+_WHY = {
+    "400": "The request is well-formed but cannot be served; `field` names the culprit "
+           "(a value out of range, a prompt longer than max_model_len, a bad manifest).",
+    "401": "Missing or wrong bearer token.",
+    "403": "Weight routes are disabled: the server has no admin token.",
+    "409": "Conflicts with the server's state: min_weight_version not reached in time, "
+           "another push or trainer, a stale version, a finished push.",
+    "422": "The body does not match the schema; `detail` lists every error.",
+    "503": "Not ready: starting, shutting down (Retry-After), or the weights are unusable "
+           "after a failed load until a push succeeds.",
+}
+_PROBES = {"/health", "/ready"}
+_ERRORS = {"/generate": ["400", "401", "409", "422", "503"], "/info": ["401", "503"]}
+_ADMIN_ERRORS = ["400", "401", "403", "409", "422", "503"]
+
+
+def _errors(path: str) -> list[str]:
+    if path in _PROBES:
+        return ["503"]
+    if path.startswith("/weights/"):
+        return _ADMIN_ERRORS
+    return _ERRORS.get(path, [])
+
+
+def build(app: FastAPI) -> dict[str, Any]:
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                         description="A vLLM generation server for RL post-training.")
+    comps = schema.setdefault("components", {})
+    models = comps.setdefault("schemas", {})
+    error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    models.update(error.pop("$defs", {}))
+    models["ErrorResponse"] = error
+    for unused in ("HTTPValidationError", "ValidationError"):
+        models.pop(unused, None)
+    comps["securitySchemes"] = {
+        "apiToken": {"type": "http", "scheme": "bearer", "description":
+                     "ROLLOUT_SIDECAR_API_TOKEN, for generation (open when the server has "
+                     "none)."},
+        "adminToken": {"type": "http", "scheme": "bearer", "description":
+                       "ROLLOUT_SIDECAR_ADMIN_TOKEN, for the weight routes."},
+    }
+    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, ops in schema["paths"].items():
+        for op in ops.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for code in _errors(path):
+                responses[code] = {"description": _WHY[code], "content": ref}
+            if path.startswith("/weights/"):
+                op["security"] = [{"adminToken": []}]
+            elif path in _ERRORS:
+                op["security"] = [{"apiToken": []}, {}]
+    schema["paths"]["/metrics"]["get"]["responses"]["200"] = {
+        "description": "Prometheus text exposition format.",
+        "content": {"text/plain": {"schema": {"type": "string"}}}}
+    return schema
+
+
+def install_openapi(app: FastAPI) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build(app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,125 @@
+"""Who owns the weight data plane: the rendezvous store and one trainer's
+connection at a time.
+
+A trainer connects under a connection id; the vLLM worker joins that group in
+a background thread, so generation goes on while the server waits for the
+trainer, and a trainer that never joins costs a bounded wait, not a frozen
+engine. The connection is the trainer's for `connection_lease_s` after its last
+push call: another trainer's connect within it is refused with the owner named
+(or takes over with `takeover=true`); once taken over, the old trainer's next
+`begin` is refused, never left to hang on a dead group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout_sidecar.client.schema import ConnectRequest, ConnectResponse
+from rollout_sidecar.server.errors import PushConflict
+from rollout_sidecar.server.weights.ops import WORKER_METHOD, SideOp
+
+POLL_S = 0.05
+
+
+@dataclass
+class Connection:
+    id: str
+    backend: str
+    last_active: float
+
+
+class DataPlane:
+    def __init__(self, llm: Any, settings: Any) -> None:
+        self.llm = llm
+        self.settings = settings
+        self.store: Any = None
+        self.port = settings.data_plane_port
+        self.owner: Connection | None = None
+        self.replaced: OrderedDict[str, str] = OrderedDict()  # old id -> who took over
+
+    @property
+    def bind_host(self) -> str:
+        return self.settings.data_plane_host or self.settings.host
+
+    def start(self) -> None:
+        # The server hosts the rendezvous store: trainers come and go, it stays.
+        try:
+            self.store = torch.distributed.TCPStore(
+                self.bind_host, self.settings.data_plane_port, is_master=True,
+                wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+        except Exception as e:
+            raise RuntimeError(f"data plane: cannot listen on {self.bind_host}:"
+                               f"{self.settings.data_plane_port}: {e}") from e
+        self.port = self.store.port
+
+    def stop(self) -> None:
+        self.store = None
+
+    async def side(self, op: SideOp, payload: dict | None = None) -> dict:
+        (state, *_) = await self.llm.collective_rpc(WORKER_METHOD, args=(op.value, payload))
+        return state
+
+    async def connect(self, req: ConnectRequest) -> ConnectResponse:
+        """Called with the push lock held, and no push in progress."""
+        now = time.monotonic()
+        old = self.owner
+        if old is not None and old.id != req.connection_id and not req.takeover:
+            idle = now - old.last_active
+            if idle < self.settings.connection_lease_s:
+                left = self.settings.connection_lease_s - idle
+                raise PushConflict(
+                    f"the data plane belongs to connection {old.id}, which pushed {idle:.0f}s "
+                    "ago: another trainer is pushing to this server. If that trainer is gone, "
+                    f"connect again after {left:.0f}s, or with takeover=true", left)
+        timeout = min(req.timeout_s, self.settings.connect_timeout_max_s)
+        host = self.bind_host
+        self.owner = None
+        await self.side(SideOp.CONNECT, dict(
+            store_host="127.0.0.1" if host in ("0.0.0.0", "::") else host,
+            store_port=self.port, connection_id=req.connection_id, backend=req.backend,
+            timeout_s=timeout))
+        deadline = now + timeout
+        while True:  # short RPCs: the engine core schedules generation in between
+            conn = (await self.side(SideOp.STATE))["connection"]
+            if conn["state"] == "connected":
+                break
+            if conn["state"] == "failed" or time.monotonic() > deadline:
+                await self.side(SideOp.DISCONNECT)
+                why = conn.get("error") or f"the trainer did not join within {timeout:.0f}s"
+                raise PushConflict(f"connect {req.connection_id}: {why} (is the data-plane "
+                                   f"port {self.port} reachable from the trainer?)")
+            await asyncio.sleep(POLL_S)
+        if old is not None and old.id != req.connection_id:
+            self.replaced[old.id] = req.connection_id
+            while len(self.replaced) > 64:
+                self.replaced.popitem(last=False)
+        self.owner = Connection(req.connection_id, req.backend, time.monotonic())
+        return ConnectResponse(connection_id=req.connection_id, backend=req.backend)
+
+    def check_owner(self, connection_id: str | None) -> None:
+        """A distributed push must come over the connection that owns the plane."""
+        if self.owner is not None and self.owner.id == connection_id:
+            self.owner.last_active = time.monotonic()
+            return
+        if connection_id in self.replaced:
+            raise PushConflict(f"connection {connection_id} was taken over by "
+                               f"{self.replaced[connection_id]}: another trainer connected to "
+                               "this server")
+        raise PushConflict(f"connection {connection_id} is not connected (the server holds "
+                           f"{self.owner.id if self.owner else 'none'}): POST /weights/connect")
+
+    def touch(self) -> None:
+        if self.owner is not None:
+            self.owner.last_active = time.monotonic()
+
+    async def drop(self) -> None:
+        """After a failed distributed push: both sides of the group are out of step."""
+        self.owner = None
+        await self.side(SideOp.DISCONNECT)

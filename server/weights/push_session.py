@@ -1,0 +1,158 @@
+"""The push state machine: one push at a time, every transition under one lock.
+
+    IDLE --begin--> RECEIVING --commit--> COMMITTING --> IDLE (committed | failed)
+                        |  \--abort / deadline / dead trainer / bad bucket--> IDLE (failed)
+
+- `begin` is bound to the connection that carries the data.
+- `commit` is idempotent: a duplicate of a commit in progress waits for it and
+  gets the same answer; a commit of a push already ended gets its recorded
+  outcome. Nothing else can act on a push once it is COMMITTING: an abort then
+  answers 409 with the reason, and the commit finishes.
+- `abort` is idempotent for a push already aborted or failed.
+- A failure anywhere (pause, receive, verify, load) leaves the state IDLE with
+  the reason recorded, and the gate open.
+
+The model changes only in `Commit.run`, after every bucket arrived and passed
+its CRC, and the load refuses (model untouched) before its point of no return;
+past that point a failure marks the gate broken (503 until a push succeeds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from rollout_sidecar.client.schema import BeginRequest, CommitResponse, LastPush
+from rollout_sidecar.server.errors import PushConflict
+
+log = logging.getLogger(__name__)
+
+
+class PushFailed(Exception):
+    """A commit step failed; `session_open` says whether vLLM's update session
+    still needs ending (an `update_weights` op that raised already ended it)."""
+
+    def __init__(self, reason: str, session_open: bool = False) -> None:
+        super().__init__(reason)
+        self.session_open = session_open
+
+
+class PushState(str, Enum):
+    IDLE = "idle"
+    RECEIVING = "receiving"
+    COMMITTING = "committing"
+
+
+@dataclass(eq=False)
+class Push:
+    push_id: str
+    req: BeginRequest
+    policy: str
+    started: float
+    deadline: float
+    state: PushState = PushState.RECEIVING
+    outcome: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop()
+                                    .create_future())
+
+    @property
+    def distributed(self) -> bool:
+        return self.req.transport != "http"
+
+
+class PushSession:
+    def __init__(self, on_failed: Callable[[Push, str, str, bool], Awaitable[None]]) -> None:
+        self.lock = asyncio.Lock()
+        self.current: Push | None = None
+        self.last: LastPush | None = None
+        # push_id -> CommitResponse or LastPush, for idempotent repeats.
+        self.ended: OrderedDict[str, CommitResponse | LastPush] = OrderedDict()
+        self._on_failed = on_failed
+
+    @property
+    def state(self) -> PushState:
+        return self.current.state if self.current else PushState.IDLE
+
+    def new_push(self, req: BeginRequest, policy: str, timeout_s: float) -> Push:
+        now = time.monotonic()
+        return Push(uuid.uuid4().hex, req, policy, now, now + timeout_s)
+
+    def require(self, push_id: str, state: PushState) -> Push:
+        """The current push if it is `push_id` in `state`, else a 409 saying why."""
+        p = self.current
+        if p is not None and p.push_id == push_id and p.state is state:
+            return p
+        if p is not None and p.push_id == push_id:
+            raise PushConflict(f"push {push_id} is {p.state.value}, not {state.value}")
+        ended = self.ended.get(push_id)
+        if isinstance(ended, CommitResponse):
+            raise PushConflict(f"push {push_id} already committed as version "
+                               f"{ended.weight_version}")
+        if isinstance(ended, LastPush):
+            raise PushConflict(f"push {push_id} already {ended.outcome}: {ended.reason}")
+        raise PushConflict(f"push {push_id} is not in progress")
+
+    def _record(self, push: Push, result: CommitResponse | LastPush) -> None:
+        self.ended[push.push_id] = result
+        while len(self.ended) > 256:
+            self.ended.popitem(last=False)
+        if self.current is push:
+            self.current = None
+        if not push.outcome.done():
+            push.outcome.set_result(result)
+
+    def committed(self, push: Push, resp: CommitResponse) -> None:
+        self._record(push, resp)
+        self.last = LastPush(version=push.req.version, outcome="committed", push_id=push.push_id)
+
+    async def fail(self, push: Push, reason: str, outcome: str = "failed",
+                   session_open: bool = True) -> bool:
+        """End `push` (lock held by the caller). False if it already ended."""
+        if push.push_id in self.ended:
+            return False
+        last = LastPush(version=push.req.version, outcome=outcome, reason=reason,
+                        push_id=push.push_id)
+        self._record(push, last)
+        self.last = last
+        with contextlib.suppress(Exception):
+            await self._on_failed(push, reason, outcome, session_open)
+        return True
+
+    async def commit(self, push_id: str, run: Callable[[Push], Awaitable[CommitResponse]]
+                     ) -> CommitResponse:
+        """Run the commit once; repeats of the same push get the same answer."""
+        async with self.lock:
+            ended = self.ended.get(push_id)
+            if ended is not None:
+                return _answer(ended)
+            p = self.current
+            if p is not None and p.push_id == push_id and p.state is PushState.COMMITTING:
+                pass  # a duplicate: wait for the first one below
+            else:
+                p = self.require(push_id, PushState.RECEIVING)
+                p.state = PushState.COMMITTING
+                asyncio.get_running_loop().create_task(self._run(p, run))
+        return _answer(await asyncio.shield(p.outcome))
+
+    async def _run(self, push: Push, run: Callable[[Push], Awaitable[CommitResponse]]) -> None:
+        try:
+            resp = await run(push)
+        except Exception as e:
+            open_ = e.session_open if isinstance(e, PushFailed) else True
+            async with self.lock:
+                await self.fail(push, str(e), session_open=open_)
+            return
+        async with self.lock:
+            self.committed(push, resp)
+
+
+def _answer(result: CommitResponse | LastPush) -> CommitResponse:
+    if isinstance(result, CommitResponse):
+        return result
+    raise PushConflict(f"push rejected ({result.outcome}): {result.reason}")

@@ -1,0 +1,96 @@
+"""Rank 0's half of a push: pack gathered tensors into buckets and send them.
+
+Double-buffered: bucket k is on the wire while k+1 is gathered and packed.
+Each tensor is cast to its wire dtype in place in the bucket, then checked for
+NaN/inf (after the cast, so an fp16 overflow counts). After the first error
+the loop keeps drawing tensors, so rank 0 keeps taking part in every FSDP
+gather and no peer is left blocked, but sends nothing more. Every exception
+becomes the returned error, never a raise: the pusher then agrees on it with
+the other ranks.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+Error = tuple[str, str]  # (kind, message); kinds map to exception types in pusher.py
+
+
+def crc32(buf: torch.Tensor) -> int:
+    return zlib.crc32(memoryview((buf if buf.is_cpu else buf.cpu()).numpy()))
+
+
+class BucketSender:
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def _buffers_for(self, size: int, device: torch.device) -> list[torch.Tensor]:
+        # Reused across pushes: a steady-state push allocates nothing.
+        b = self._buffers
+        if not b or b[0].numel() < size or b[0].device != device:
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=device,
+                                         pin_memory=pin) for _ in range(2)]
+        return self._buffers
+
+    def send_all(self, buckets: list, tensors: Iterator[tuple[str, torch.Tensor]],
+                 transport: Any, push_id: str) -> tuple[list[int], Error | None]:
+        """Send every bucket; returns the CRCs and the first error."""
+        buffers = self._buffers_for(max(b.nbytes for b in buckets), transport.buffer_device)
+        in_flight: list[Any] = [None, None]
+        checksums: list[int] = []
+        err: Error | None = None
+        for b in buckets:
+            slot = b.index % 2
+            if in_flight[slot] is not None and err is None:
+                err = _wait(in_flight[slot], f"sending bucket {b.index - 2}")
+            buf = buffers[slot][: b.nbytes]
+            for s in b.slots:
+                name, full = next(tensors)  # gathered on every rank, same order
+                if err is None:
+                    err = _pack(buf, s, name, full)
+                del full
+            if err is not None:
+                continue  # keep gathering so peers never hang; send nothing more
+            try:
+                if transport.checksum_in_request:
+                    checksums.append(crc32(buf))
+                    in_flight[slot] = transport.send(b.index, buf, push_id, checksums[-1])
+                else:
+                    # The CRC travels with the commit, so compute it while the
+                    # bucket is on the wire (zlib releases the GIL).
+                    in_flight[slot] = transport.send(b.index, buf, push_id, None)
+                    checksums.append(crc32(buf))
+            except Exception as e:
+                err = ("push", f"sending bucket {b.index} failed: {type(e).__name__}: {e}")
+        for w in in_flight:
+            if w is not None and err is None:
+                err = _wait(w, "sending the last buckets")
+        return checksums, err
+
+
+def _pack(buf: torch.Tensor, slot: Any, name: str, full: torch.Tensor) -> Error | None:
+    if name != slot.name:
+        return ("push", f"gather order changed: got {name}, planned {slot.name}")
+    try:
+        view = buf[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        view.copy_(full)
+        if slot.dtype.is_floating_point and not bool(torch.isfinite(view).all()):
+            return ("nonfinite", f"refusing to push: {name} holds NaN or inf (first such "
+                    f"tensor, after casting to {slot.dtype}); the server keeps serving the "
+                    "previous version")
+    except Exception as e:  # an OOM, a shape mismatch: agreed on with the other ranks
+        return ("push", f"packing {name} failed: {type(e).__name__}: {e}")
+    return None
+
+
+def _wait(work: Any, what: str) -> Error | None:
+    try:
+        work.wait()
+    except Exception as e:
+        return ("push", f"{what} failed: {type(e).__name__}: {e}")
+    return None
