@@ -67,13 +67,50 @@ def test_version_gate_waits_for_min_version_and_holds_during_commit():
         with pytest.raises(MinVersionTimeout):
             await gate.admit(1, timeout_s=0.05)
         waiter = asyncio.create_task(gate.admit(1, timeout_s=5))
-        async with gate.committing():
+        async with gate.commit_window("wait", drain_s=1) as mode:
+            assert mode == "wait"
             blocked = asyncio.create_task(gate.admit(None, timeout_s=5))
             await asyncio.sleep(0.05)
             assert not blocked.done()  # nobody is admitted mid-swap
             await gate.publish(1)
-        assert await waiter == 1 and await blocked == 1
+        assert (await waiter).version == 1 and (await blocked).version == 1
         assert gate.versions_between(0, 1) == [0, 1]
+
+    asyncio.run(run())
+
+
+def test_wait_commit_drains_admitted_requests_then_falls_back_to_abort():
+    """The drain covers requests vLLM would leave queued: everything admitted."""
+    async def run():
+        gate = VersionGate(0)
+        quick, slow = await gate.admit(None, 1), await gate.admit(None, 1)
+        quick.submitted(), slow.submitted()
+        asyncio.get_running_loop().call_later(0.05, quick.finished)
+        async with gate.commit_window("wait", drain_s=0.3) as mode:
+            assert mode == "abort"  # `slow` never finished within the bound
+        slow.finished()
+        async with gate.commit_window("wait", drain_s=0.3) as mode:
+            assert mode == "wait" and gate.in_flight == 0
+        lease = await gate.admit(None, 1)
+        lease.submitted()
+        async with gate.commit_window("keep", drain_s=5) as mode:
+            assert mode == "keep" and gate.in_flight == 1  # keep lets it run on
+        lease.finished()
+        lease.finished()  # idempotent
+
+    asyncio.run(run())
+
+
+def test_a_broken_gate_refuses_until_a_version_is_published():
+    from rollout_sidecar.server.errors import ServiceUnavailable
+
+    async def run():
+        gate = VersionGate(3)
+        gate.broken = "load failed"
+        with pytest.raises(ServiceUnavailable):
+            await gate.admit(None, 1)
+        await gate.publish(4)
+        assert (await gate.admit(None, 1)).version == 4
 
     asyncio.run(run())
 
