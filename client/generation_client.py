@@ -24,11 +24,11 @@ _SCORE = SamplingConfig(max_tokens=1, logprobs=False, prompt_logprobs=True)
 def _request_body(prompts: list[str] | None, prompt_token_ids: list[list[int]] | None,
                   sampling: SamplingConfig | dict | None, min_weight_version: int | None,
                   ) -> dict[str, Any]:
-    req = GenerateRequest(
-        prompts=prompts, prompt_token_ids=prompt_token_ids,
-        sampling=SamplingConfig.model_validate(sampling or {}),
-        min_weight_version=min_weight_version,
-    )
+    fields = dict(prompts=prompts, prompt_token_ids=prompt_token_ids,
+                  sampling=SamplingConfig.model_validate(sampling or {}),
+                  min_weight_version=min_weight_version)
+    # Absent, not null: the server refuses an explicit null prompt field.
+    req = GenerateRequest(**{k: v for k, v in fields.items() if v is not None})
     return req.model_dump(exclude_none=True)
 
 

@@ -7,12 +7,34 @@ imported here: the trainer and the client must not pull in vLLM.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
 FinishReason = Literal["stop", "length", "abort"]
 CommitPolicy = Literal["wait", "abort", "keep"]
+
+
+def _no_bool(v: object) -> object:
+    # pydantic would read JSON true/false as 1/0; the schema says number.
+    if isinstance(v, bool):
+        raise ValueError("a boolean is not a number")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0), BeforeValidator(_no_bool)]],
+                     Field(min_length=1)]
+Bool = Annotated[bool, Strict()]  # true or false, not 1 or "yes"
+
+
+def _not_null(schema: dict[str, Any]) -> None:
+    # An optional field whose explicit null is refused: document it without null.
+    branches = [b for b in schema.pop("anyOf", []) if b.get("type") != "null"]
+    if branches:
+        schema.update(branches[0])
+    schema.pop("default", None)
 
 
 class _Strict(BaseModel):
@@ -45,23 +67,23 @@ class SamplingConfig(_Strict):
     The ranges are vLLM's own, so nothing reaches the engine it would refuse.
     """
 
-    n: int = Field(1, description="Samples per prompt, 1..1024.",
+    n: Int = Field(1, description="Samples per prompt, 1..1024.",
                    **_range(minimum=1, maximum=1024))
-    max_tokens: int = Field(64, description="New tokens per sample at most, >= 1.",
+    max_tokens: Int = Field(64, description="New tokens per sample at most, >= 1.",
                             **_range(minimum=1))
-    temperature: float = Field(1.0, description="0 is greedy; 0..2 (vLLM's range).",
+    temperature: Float = Field(1.0, description="0 is greedy; 0..2 (vLLM's range).",
                                **_range(minimum=0, maximum=2))
-    top_p: float = Field(1.0, description="Nucleus mass, (0, 1].",
+    top_p: Float = Field(1.0, description="Nucleus mass, (0, 1].",
                          **_range(exclusiveMinimum=0, maximum=1))
-    top_k: int = Field(0, description="0 disables top-k; else >= 1.", **_range(minimum=0))
-    seed: int | None = Field(None, description="Same seed, same request: same tokens.",
+    top_k: Int = Field(0, description="0 disables top-k; else >= 1.", **_range(minimum=0))
+    seed: Int | None = Field(None, description="Same seed, same request: same tokens.",
                              **_range(minimum=-(2**63), maximum=2**63 - 1))
     stop: list[str] = Field(default_factory=list, description="Stop strings: at most 64, each "
                             "1..1024 characters.",
                             **_range(maxItems=64, items={"type": "string", "minLength": 1,
                                                          "maxLength": 1024}))
-    logprobs: bool = Field(True, description="Return the logprob of each sampled token.")
-    prompt_logprobs: bool = Field(
+    logprobs: Bool = Field(True, description="Return the logprob of each sampled token.")
+    prompt_logprobs: Bool = Field(
         False, description="Also return the logprob of every prompt token under the served "
         "weights (vLLM's prompt_logprobs): scoring for reference-model or recomputed old "
         "logprobs. Use max_tokens=1 to score only.")
@@ -91,15 +113,23 @@ class GenerateRequest(_Strict):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
         {"required": ["prompts"]}, {"required": ["prompt_token_ids"]}]})
 
-    prompts: list[str] | None = Field(None, min_length=1)
-    prompt_token_ids: list[list[int]] | None = Field(
-        None, min_length=1, **_range(items={"type": "array", "minItems": 1,
-                                            "items": {"type": "integer", "minimum": 0}}))
+    prompts: list[str] | None = Field(None, min_length=1, json_schema_extra=_not_null)
+    prompt_token_ids: list[TokenIds] | None = Field(None, min_length=1,
+                                                    json_schema_extra=_not_null)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    min_weight_version: int | None = Field(
+    min_weight_version: Int | None = Field(
         None,
         description="Wait (bounded) until the server holds at least this weight version.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_null_prompts(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in ("prompts", "prompt_token_ids"):
+                if key in data and data[key] is None:
+                    raise ValueError(f"'{key}' is null: leave it out instead")
+        return data
 
     @model_validator(mode="after")
     def _exactly_one_prompt_kind(self) -> GenerateRequest:
@@ -209,22 +239,22 @@ class ParamSlot(_Strict):
 
     name: str
     dtype: str
-    shape: list[int]
-    offset: int = Field(description="Byte offset in the bucket; aligned to the dtype size.")
+    shape: list[Int]
+    offset: Int = Field(description="Byte offset in the bucket; aligned to the dtype size.")
 
 
 class BucketManifest(_Strict):
-    index: int
-    nbytes: int
+    index: Int
+    nbytes: Int
     params: list[ParamSlot]
 
 
 class ConnectRequest(_Strict):
     connection_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
     backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = Field(300.0, gt=0, le=3600, description="How long to wait for the "
+    timeout_s: Float = Field(300.0, gt=0, le=3600, description="How long to wait for the "
                              "trainer to join the group (capped by the server).")
-    takeover: bool = Field(False, description="Replace another trainer's connection even "
+    takeover: Bool = Field(False, description="Replace another trainer's connection even "
                            "within its lease (that trainer's next begin is refused).")
 
 
@@ -234,7 +264,7 @@ class ConnectResponse(BaseModel):
 
 
 class BeginRequest(_Strict):
-    version: int = Field(description="Weight version this push becomes; must increase.")
+    version: Int = Field(description="Weight version this push becomes; must increase.")
     transport: Transport = "gloo"
     connection_id: str | None = Field(
         None, description="gloo/nccl: the connection that carries the data; it must own the "
@@ -253,7 +283,7 @@ class BeginResponse(BaseModel):
 
 class CommitRequest(_Strict):
     push_id: str
-    checksums: list[int] = Field(description="CRC-32 of each bucket's bytes, in order.")
+    checksums: list[Int] = Field(description="CRC-32 of each bucket's bytes, in order.")
 
 
 class CommitResponse(BaseModel):
@@ -282,11 +312,11 @@ class ProbeRequest(_Strict):
 
     model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
-    version: int = Field(description="The version just committed; must be the served one.")
-    token_ids: list[int] = Field(min_length=2, max_length=4096)
-    trainer_logprobs: list[float] = Field(
+    version: Int = Field(description="The version just committed; must be the served one.")
+    token_ids: list[Int] = Field(min_length=2, max_length=4096)
+    trainer_logprobs: list[Float] = Field(
         description="logprob of token_ids[i] given token_ids[:i], for i = 1..len-1.")
-    tolerance: float = Field(gt=0, description="Largest acceptable mean |dlogp|.")
+    tolerance: Float = Field(gt=0, description="Largest acceptable mean |dlogp|.")
 
 
 class ProbeResult(_Reply):

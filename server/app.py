@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -20,16 +19,13 @@ from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine import GenerationEngine
 from rollout_sidecar.server.errors import BadRequest, PushConflict, ServiceUnavailable
 from rollout_sidecar.server.metrics import ServerMetrics
+from rollout_sidecar.server.middleware import DrainAndMeasure
 from rollout_sidecar.server.openapi import install_openapi
 from rollout_sidecar.server.routes import generate, health, metrics, weights
 from rollout_sidecar.server.version_gate import MinVersionTimeout
 from rollout_sidecar.server.weights.service import TRANSPORTS, WeightService
 
 log = logging.getLogger("rollout_sidecar.server")
-
-# Probes and scrapes keep answering while draining; everything else gets 503.
-_ALWAYS_OPEN = {"/health", "/ready", "/metrics"}
-
 
 def resolve_model(settings: ServerSettings) -> Path:
     if settings.model:
@@ -91,21 +87,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
         app.include_router(module.router)
     install_openapi(app)
 
-    @app.middleware("http")
-    async def drain_and_measure(request: Request, call_next: Callable) -> Any:
-        path = request.url.path
-        if app.state.draining and path not in _ALWAYS_OPEN:
-            return _error(503, "server is shutting down", headers={"Retry-After": "5"})
-        route = path if path in _ROUTES else "other"
-        t0 = time.perf_counter()
-        try:
-            response = await call_next(request)
-        except Exception:  # counted, then answered as a 500 by Starlette
-            app_metrics.requests.labels(route, "500").inc()
-            raise
-        app_metrics.latency.labels(route).observe(time.perf_counter() - t0)
-        app_metrics.requests.labels(route, str(response.status_code)).inc()
-        return response
+    app.add_middleware(DrainAndMeasure, state=app.state)
 
     @app.exception_handler(RequestValidationError)
     async def on_malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -139,8 +121,3 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
         return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     return app
-
-
-_ROUTES = {"/generate", "/health", "/ready", "/info", "/metrics", "/weights/connect",
-           "/weights/begin", "/weights/commit", "/weights/abort", "/weights/status",
-           "/weights/index", "/weights/verify"}

@@ -134,8 +134,9 @@ class GenerationEngine:
             self._tracks.update(tracks)
             outputs = await asyncio.gather(*[self._final(t) for t in tracks])
         except BaseException:  # cancelled (client gone) or failed: free the engine
+            # The collectors hold vLLM's internal ids (it suffixes ours).
             await _shielded(self.llm.abort([t.collector.request_id for t in tracks
-                                            if t.finish_version is None]))
+                                            if t.finish_version is None], internal=True))
             raise
         finally:
             self._tracks.difference_update(tracks)
@@ -183,10 +184,7 @@ class GenerationEngine:
                 if req.sampling.prompt_logprobs else None))
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.generated_tokens.inc(completion_tokens)
-        # Under wait and abort a commit drains or aborts every admitted request
-        # before the swap, so all tokens are from `start`; under keep they run on.
-        end = max((t.finish_version or start) for t in tracks) \
-            if self.settings.commit_policy == "keep" else start
+        end = max((t.finish_version or start) for t in tracks)
         versions = self.gate.versions_between(start, end)
         return GenerateResponse(
             results=results, weight_version=start, weight_versions=versions,

@@ -32,6 +32,15 @@ class ServerMetrics:
             "rollout_sidecar_requests_waiting",
             "Sequences queued in the engine.", registry=r,
         )
+        self.in_flight = Gauge(
+            "rollout_sidecar_requests_in_flight", "Requests admitted and not finished.",
+            registry=r,
+        )
+        self.engine_unfinished = Gauge(
+            "rollout_sidecar_engine_unfinished_requests",
+            "Sequence groups the engine still holds (drops to 0 when cancelled clients' "
+            "work is aborted).", registry=r,
+        )
         self.gate_waiting = Gauge(
             "rollout_sidecar_requests_gated", "Requests held by a commit or min_weight_version.",
             registry=r,

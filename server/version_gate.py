@@ -56,6 +56,7 @@ class VersionGate:
     def __init__(self, version: int = 0) -> None:
         self.version = version
         self.history: list[int] = [version]
+        self.modes: dict[int, str] = {}  # version -> pause mode of the commit that made it
         self.broken: str | None = None
         # version -> why its post-push probe failed; tagged on every response
         # that any of these versions produced.
@@ -131,21 +132,29 @@ class VersionGate:
                 self.last_hold_s = time.monotonic() - t0
                 self._cond.notify_all()
 
-    async def publish(self, version: int) -> None:
+    async def publish(self, version: int, mode: str = "wait") -> None:
         async with self._cond:
             self.version = version
             self.history.append(version)
             del self.history[:-1024]
+            self.modes = {v: m for v, m in self.modes.items() if v in self.history}
+            self.modes[version] = mode
             for v in [v for v in self.suspect if v not in self.history]:
                 del self.suspect[v]
             self.broken = None  # a committed push is a known state again
             self._cond.notify_all()
 
     def versions_between(self, start: int, end: int) -> list[int]:
-        """Versions that were live while a request ran from `start` to `end`."""
-        if start == end:
-            return [start]
-        return sorted({v for v in self.history if start <= v <= end} | {start, end})
+        """Versions that produced tokens of a request admitted under `start`
+        whose last token came under `end`. Only a `keep` commit lets a request
+        run on: a `wait` commit drained it first, an `abort` commit ended it."""
+        versions = [start]
+        for v in self.history:
+            if start < v <= end:
+                if self.modes.get(v) != "keep":
+                    break
+                versions.append(v)
+        return versions
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> bool:

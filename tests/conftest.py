@@ -31,6 +31,8 @@ class Server:
     model_path: Path
     proc: subprocess.Popen
     log: Path
+    port: int = 0
+    dp_port: int = 0
 
     def client(self, **kw):
         from rollout_sidecar.client import GenerationClient
@@ -39,21 +41,24 @@ class Server:
 
 
 def start_server(tmp: Path, name: str, extra_env: dict | None = None,
-                 model: Path | None = None, dtype: str | None = None) -> Server:
-    port, dp_port = free_port(), free_port()
+                 model: Path | None = None, dtype: str | None = None,
+                 like: Server | None = None, max_model_len: int = 512) -> Server:
+    """A real server on free ports; `like` restarts one on its ports and tokens."""
+    port, dp_port = (like.port, like.dp_port) if like else (free_port(), free_port())
+    api, admin = (like.api_token, like.admin_token) if like else (secrets.token_hex(8),
+                                                                   secrets.token_hex(8))
     cache = Path(os.environ.get("ROLLOUT_SIDECAR_TEST_CACHE", tmp / "cache"))
-    env = dict(os.environ, ROLLOUT_SIDECAR_API_TOKEN=secrets.token_hex(8),
-               ROLLOUT_SIDECAR_ADMIN_TOKEN=secrets.token_hex(8),
-               ROLLOUT_SIDECAR_CACHE_DIR=str(cache), VLLM_CPU_KVCACHE_SPACE="1",
-               ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S="3",
-               # Each torchrun worker is a new trainer: no waiting out the last one's lease.
-               ROLLOUT_SIDECAR_CONNECTION_LEASE_S="1",
-               PYTHONUNBUFFERED="1", **(extra_env or {}))
+    env = {**os.environ, "ROLLOUT_SIDECAR_API_TOKEN": api, "ROLLOUT_SIDECAR_ADMIN_TOKEN": admin,
+           "ROLLOUT_SIDECAR_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S": "3",
+           # Each torchrun worker is a new trainer: no waiting out the last one's lease.
+           "ROLLOUT_SIDECAR_CONNECTION_LEASE_S": "1",
+           "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     log = tmp / f"{name}.log"
     extra = (["--model", str(model)] if model else []) + (["--dtype", dtype] if dtype else [])
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
-         "--data-plane-port", str(dp_port), "--max-model-len", "512", *extra],
+         "--data-plane-port", str(dp_port), "--max-model-len", str(max_model_len), *extra],
         env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -71,8 +76,7 @@ def start_server(tmp: Path, name: str, extra_env: dict | None = None,
         raise RuntimeError(f"server not ready:\n{log.read_text()[-4000:]}")
     model = Path(httpx.get(url + "/info", headers={
         "Authorization": f"Bearer {env['ROLLOUT_SIDECAR_API_TOKEN']}"}).json()["model"])
-    return Server(url, env["ROLLOUT_SIDECAR_API_TOKEN"], env["ROLLOUT_SIDECAR_ADMIN_TOKEN"],
-                  model, proc, log)
+    return Server(url, api, admin, model, proc, log, port, dp_port)
 
 
 def stop_server(server: Server) -> None:

@@ -74,7 +74,14 @@ def test_version_gate_waits_for_min_version_and_holds_during_commit():
             assert not blocked.done()  # nobody is admitted mid-swap
             await gate.publish(1)
         assert (await waiter).version == 1 and (await blocked).version == 1
-        assert gate.versions_between(0, 1) == [0, 1]
+        # A request from 0 that finished under 1 got no tokens from 1 after a
+        # wait commit (it was drained first); after keep commits it ran on.
+        assert gate.versions_between(0, 1) == [0]
+        await gate.publish(2, "keep")
+        await gate.publish(3, "keep")
+        await gate.publish(4, "abort")
+        assert gate.versions_between(1, 3) == [1, 2, 3]
+        assert gate.versions_between(2, 4) == [2, 3]
 
     asyncio.run(run())
 

@@ -4,11 +4,12 @@ or plain modules, bucket by bucket, and push them to the server. Needs torch
 
 from rollout_sidecar.trainer.admin_client import (
     NonFiniteWeightsError,
+    ServerRestartedError,
     WeightMismatchError,
     WeightPushError,
 )
 from rollout_sidecar.trainer.gather import MetaDeviceError
 from rollout_sidecar.trainer.pusher import PushResult, WeightPusher
 
-__all__ = ["MetaDeviceError", "NonFiniteWeightsError", "PushResult", "WeightMismatchError",
-           "WeightPushError", "WeightPusher"]
+__all__ = ["MetaDeviceError", "NonFiniteWeightsError", "PushResult", "ServerRestartedError",
+           "WeightMismatchError", "WeightPushError", "WeightPusher"]

@@ -96,6 +96,9 @@ class WeightPusher:
             version as usual, `PushResult.server_restarted`) or "raise"
             (`ServerRestartedError`).
         takeover: connect even while another trainer's connection is live.
+        lease_wait_s: how long to wait for another trainer's connection lease
+            to run out (a restarted trainer finds its old self there) before
+            raising.
     """
 
     def __init__(self, url: str | None = None, admin_token: str | None = None,
@@ -104,7 +107,7 @@ class WeightPusher:
                  verify: bool | Forward = True, verify_tolerance: float | None = None,
                  verify_every: int = 1, commit_policy: str | None = None,
                  on_server_restart: Literal["repush", "raise"] = "repush",
-                 takeover: bool = False) -> None:
+                 takeover: bool = False, lease_wait_s: float = 60.0) -> None:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.device = device
@@ -126,7 +129,7 @@ class WeightPusher:
                 self.transport = HttpTransport(self.admin)
             elif transport in ("gloo", "nccl"):
                 self.transport = DistributedTransport(self.admin, transport, data_plane_host,
-                                                      takeover)
+                                                      takeover, lease_wait_s)
             else:
                 raise ValueError(f"transport must be gloo, nccl or http, not {transport!r}")
 

@@ -10,6 +10,9 @@ router = APIRouter()
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    m = request.app.state.metrics
-    m.gate_waiting.set(request.app.state.engine.gate.gated if request.app.state.engine else 0)
+    m, engine = request.app.state.metrics, request.app.state.engine
+    if engine is not None and engine.llm is not None:
+        m.gate_waiting.set(engine.gate.gated)
+        m.in_flight.set(engine.gate.in_flight)
+        m.engine_unfinished.set(engine.llm.output_processor.get_num_unfinished_requests())
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -8,6 +8,8 @@ read at every load, so one server can go through several faults:
 - ``stale:NAME``: NAME is loaded from the served checkpoint on disk instead of
   the push (the layer is complete, but holds old values). Only the probe can
   see it.
+- ``crash``: the load raises after it changed the model (past the point of no
+  return), as a device error mid-load would.
 """
 
 from __future__ import annotations
@@ -33,13 +35,23 @@ def _checkpoint_tensor(checkpoint: str, name: str, like: torch.Tensor) -> torch.
     raise KeyError(f"{name} not in {checkpoint}")
 
 
-def apply_test_faults(weights: Iterable[tuple[str, torch.Tensor]], checkpoint: str
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def _spec() -> tuple[str, str]:
     path = os.environ.get(ENV)
     spec = Path(path).read_text().strip() if path and Path(path).exists() else ""
     kind, _, target = spec.partition(":")
+    return kind, target
+
+
+def crash_after_load() -> None:
+    if _spec()[0] == "crash":
+        raise RuntimeError("injected failure after the model changed (test fault)")
+
+
+def apply_test_faults(weights: Iterable[tuple[str, torch.Tensor]], checkpoint: str
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    kind, target = _spec()
     if kind:
-        log.warning("%s=%s: injecting a fault into this load (tests only)", ENV, spec)
+        log.warning("%s: injecting %s:%s into this load (tests only)", ENV, kind, target)
     for name, tensor in weights:
         if name == target and kind == "drop":
             continue

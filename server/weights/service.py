@@ -107,9 +107,10 @@ class WeightService:
 
     async def connect(self, req: ConnectRequest) -> ConnectResponse:
         async with self.session.lock:
-            if self.session.current is not None:
-                raise PushConflict(f"push {self.session.current.push_id} is in progress on "
-                                   "this server; connect after it ends")
+            if (p := self.session.current) is not None:
+                owner = f" by connection {p.req.connection_id}" if p.req.connection_id else ""
+                raise PushConflict(f"push {p.push_id}{owner} is in progress: another trainer "
+                                   "is pushing to this server; connect after it ends", 1.0)
             return await self.plane.connect(req)
 
     async def begin(self, req: BeginRequest) -> BeginResponse:
@@ -190,7 +191,7 @@ class WeightService:
                 await self.llm.pause_generation(mode=mode, clear_cache=True)
                 await self._load(push)
                 self.engine.freeze_finished()
-                await gate.publish(push.req.version)
+                await gate.publish(push.req.version, mode)
             finally:
                 await self.llm.resume_generation()
         self.plane.touch()

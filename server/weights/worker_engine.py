@@ -26,7 +26,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout_sidecar.server.weights.fault_injection import apply_test_faults
+from rollout_sidecar.server.weights.fault_injection import apply_test_faults, crash_after_load
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.reload import load_all_or_nothing
 from rollout_sidecar.server.weights.staging import Staging, crc32
@@ -173,6 +173,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             weights = apply_test_faults(self.staging.tensors(), self.model_config.model)
             load_all_or_nothing(self.model, self.model_config, weights)
             self.staging.release()
+            crash_after_load()
         elif op is WorkerOp.ABORT:
             raise RuntimeError("push aborted")
 

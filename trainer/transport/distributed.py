@@ -25,12 +25,14 @@ class DistributedTransport:
     checksum_in_request = False  # the CRCs go with the commit
 
     def __init__(self, admin: WeightAdminClient, backend: str = "gloo",
-                 data_plane_host: str | None = None, takeover: bool = False) -> None:
+                 data_plane_host: str | None = None, takeover: bool = False,
+                 lease_wait_s: float = 60.0) -> None:
         self.admin = admin
         self.backend = backend
         self.name = backend
         self.host = data_plane_host or urlparse(admin.base_url).hostname or "127.0.0.1"
         self.takeover = takeover
+        self.lease_wait_s = lease_wait_s
         self.group: Any = None
         self.connection_id: str | None = None
 
@@ -55,7 +57,8 @@ class DistributedTransport:
 
         def call_connect() -> None:
             try:
-                self.admin.connect(conn_id, self.backend, timeout_s, self.takeover)
+                self.admin.connect(conn_id, self.backend, timeout_s, self.takeover,
+                                   self.lease_wait_s)
             except BaseException as e:
                 out["connect_error"] = e
 

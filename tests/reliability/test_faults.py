@@ -1,0 +1,203 @@
+"""Faults around a push: each leaves the last good version serving (or, past
+the point of no return, nothing serving until the next push), the next push
+succeeds, and no trainer or client is blocked past the deadline.
+
+(A trainer killed mid-push, a bad checksum and a bad shape are in
+tests/e2e/test_push.py; a server restart is in test_restart.py.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+
+import httpx
+import pytest
+
+from rollout_sidecar.trainer import WeightPusher, WeightPushError
+from tests.reliability.conftest import LEASE_S, served_version
+
+pytestmark = pytest.mark.slow
+
+
+def admin(server, method: str, path: str, **kw) -> httpx.Response:
+    return httpx.request(method, server.url + path, timeout=60, **kw,
+                         headers={"Authorization": f"Bearer {server.admin_token}"})
+
+
+def status(server) -> dict:
+    return admin(server, "GET", "/weights/status").json()
+
+
+def push_next(server, trainer, **kw):
+    v = served_version(server) + 1
+    return trainer.pusher.push(trainer.weights.load(v), version=v, **kw)
+
+
+def assert_settled(server, version: int) -> None:
+    s = status(server)
+    assert s["push_state"] == "idle" and s["weight_version"] == version and not s["broken"]
+    assert httpx.get(server.url + "/ready").status_code == 200
+
+
+def test_a_second_trainer_is_refused_while_the_first_pushes(reliable, trainer):
+    push_next(reliable, trainer)  # the first trainer owns the data plane
+    versions = itertools.count(served_version(reliable) + 1)
+    lock, stop, first_ok, second = threading.Lock(), threading.Event(), [], {}
+
+    def first_keeps_pushing() -> None:
+        while not stop.is_set():
+            with lock:
+                v = next(versions)
+            first_ok.append(trainer.pusher.push(trainer.weights.load(v), version=v,
+                                                verify=False).version)
+
+    t = threading.Thread(target=first_keeps_pushing)
+    t.start()
+    other = WeightPusher(reliable.url, admin_token=reliable.admin_token, bucket_mb=1,
+                         verify=False, lease_wait_s=2 * LEASE_S)
+    try:
+        with lock:
+            v = next(versions)
+        other.push(trainer.weights.load(v), version=v)
+    except WeightPushError as e:
+        second["error"] = str(e)
+    finally:
+        stop.set()
+        t.join(120)
+    assert "another trainer is pushing to this server" in second.get("error", ""), second
+    assert len(first_ok) >= 2 and first_ok == sorted(first_ok)  # undisturbed
+    # Once the first trainer stops (its lease runs out), the second takes over
+    # cleanly, and the first, pushing again, waits its turn and succeeds too.
+    v = served_version(reliable) + 1
+    assert other.push(trainer.weights.load(v), version=v).version == v
+    assert push_next(reliable, trainer).version == v + 1
+    assert_settled(reliable, v + 1)
+
+
+def _racing(server, race):
+    """An HTTP pusher whose commit runs `race(admin, real_commit, push_id,
+    checksums)` in a thread alongside it; `seen` gets both outcomes."""
+    pusher = WeightPusher(server.url, admin_token=server.admin_token, transport="http",
+                          bucket_mb=1, verify=False)
+    real_commit, seen = pusher.admin.commit, {}
+
+    def commit(push_id, checksums, timeout_s):
+        t = threading.Thread(target=lambda: seen.__setitem__(
+            "race", race(pusher.admin, real_commit, push_id, checksums)))
+        t.start()
+        try:
+            seen["commit"] = real_commit(push_id, checksums, timeout_s)
+            return seen["commit"]
+        except WeightPushError as e:
+            seen["commit_error"] = str(e)
+            raise
+        finally:
+            t.join(60)
+
+    pusher.admin.commit = commit
+    return pusher, seen
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05])
+def test_abort_racing_a_commit_ends_in_one_outcome(reliable, trainer, delay_s):
+    def abort(admin_client, real_commit, push_id, checksums):
+        time.sleep(delay_s)
+        try:
+            return ("aborted", admin_client.abort(push_id, "race").outcome)
+        except WeightPushError as e:
+            return ("refused", str(e))
+
+    v0 = served_version(reliable)
+    pusher, seen = _racing(reliable, abort)
+    try:
+        pusher.push(trainer.weights.load(v0 + 1), version=v0 + 1)
+    except WeightPushError:
+        pass
+    race = seen["race"]
+    if "commit" in seen:  # the commit won: the abort was refused, the version moved
+        assert race[0] == "refused" and "committ" in race[1], seen
+        assert_settled(reliable, v0 + 1)
+    else:  # the abort won: the commit says so, the old version serves
+        assert race == ("aborted", "aborted") and "aborted" in seen["commit_error"], seen
+        assert_settled(reliable, v0)
+    v = served_version(reliable)
+    assert push_next(reliable, trainer).version == v + 1
+
+
+def test_a_duplicate_commit_gets_the_same_answer(reliable, trainer):
+    v0 = served_version(reliable)
+    pusher, seen = _racing(reliable, lambda admin_client, real_commit, push_id, checksums:
+                           real_commit(push_id, checksums, 60))
+    result = pusher.push(trainer.weights.load(v0 + 1), version=v0 + 1)
+    assert result.version == v0 + 1 and seen["race"] == seen["commit"], seen
+    assert_settled(reliable, v0 + 1)
+
+
+def _manifest(index: dict, bad: dict) -> list[dict]:
+    """One bucket per tensor, with `bad` applied to the first tensor."""
+    out = []
+    for i, (name, t) in enumerate(index["tensors"].items()):
+        p = {"name": name, "dtype": t["dtype"], "shape": t["shape"], "offset": 0}
+        if i == 0:
+            p.update(bad)
+        n = 4 * math.prod(t["shape"])
+        out.append({"index": i, "nbytes": n, "params": [p]})
+    return out
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"name": "model.nope.weight"}, "buckets[0].params[0].name"),
+    ({"dtype": "float16"}, "buckets[0].params[0].dtype"),
+    ({"shape": [1, 2, 3]}, "buckets[0].params[0].shape"),
+])
+def test_a_bad_manifest_is_400_naming_the_field(reliable, trainer, bad, field):
+    v0 = served_version(reliable)
+    index = admin(reliable, "GET", "/weights/index").json()
+    r = admin(reliable, "POST", "/weights/begin", json={
+        "version": v0 + 1, "transport": "http", "buckets": _manifest(index, bad)})
+    assert r.status_code == 400 and r.json()["field"] == field, r.text
+    assert_settled(reliable, v0)
+    assert push_next(reliable, trainer).version == v0 + 1
+
+
+def test_a_connect_nobody_joins_does_not_hold_generation(reliable, trainer):
+    done = {}
+
+    def ghost() -> None:
+        done["r"] = admin(reliable, "POST", "/weights/connect", json={
+            "connection_id": "ghost", "timeout_s": 3, "takeover": True})
+
+    t = threading.Thread(target=ghost)
+    t.start()
+    time.sleep(0.5)
+    with reliable.client() as c:
+        r = c.generate(["still serving"], sampling=dict(max_tokens=4))
+    answered_while_waiting = t.is_alive()
+    t.join(60)
+    assert answered_while_waiting and r.results[0].samples[0].token_ids
+    assert done["r"].status_code == 409 and "did not join" in done["r"].json()["error"]
+    v = served_version(reliable)
+    assert push_next(reliable, trainer).version == v + 1  # the trainer reconnects
+
+
+def test_a_load_failing_mid_commit_serves_nothing_until_a_push_succeeds(reliable, trainer):
+    v0 = served_version(reliable)
+    reliable.fault_file.write_text("crash")
+    try:
+        with pytest.raises(WeightPushError, match="unusable"):
+            push_next(reliable, trainer)
+    finally:
+        reliable.fault_file.write_text("")
+    s = status(reliable)
+    assert s["broken"] and s["weight_version"] == v0
+    r = httpx.post(reliable.url + "/generate", json={"prompts": ["x"]},
+                   headers={"Authorization": f"Bearer {reliable.api_token}"})
+    assert r.status_code == 503 and "failed mid-commit" in r.json()["error"]
+    assert httpx.get(reliable.url + "/ready").status_code == 503
+    assert push_next(reliable, trainer).version == v0 + 1
+    assert_settled(reliable, v0 + 1)
+    with reliable.client() as c:
+        assert c.generate(["back"], sampling=dict(max_tokens=2)).weight_version == v0 + 1

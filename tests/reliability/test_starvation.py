@@ -1,0 +1,45 @@
+"""No request can starve the rest: a flood whose client left is cancelled, a
+10 MB prompt is refused before tokenising."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+
+def gauge(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == name)
+
+
+def test_work_of_a_client_that_left_is_cancelled(reliable):
+    headers = {"Authorization": f"Bearer {reliable.api_token}"}
+    flood = {"prompt_token_ids": [[1, 2, 3]] * 64,  # 4096 sequences x 400 tokens: minutes
+             "sampling": {"n": 64, "max_tokens": 400, "seed": 0}}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and disconnects
+        httpx.post(reliable.url + "/generate", json=flood, headers=headers, timeout=3)
+    assert gauge(reliable, "rollout_sidecar_engine_unfinished_requests") > 0  # it had started
+    deadline = time.monotonic() + 60  # a bound far below the flood's own minutes
+    while gauge(reliable, "rollout_sidecar_engine_unfinished_requests") > 0:
+        assert time.monotonic() < deadline, "the flood kept running after its client left"
+        time.sleep(0.2)
+    assert gauge(reliable, "rollout_sidecar_requests_in_flight") == 0
+    t0 = time.perf_counter()
+    r = httpx.post(reliable.url + "/generate", headers=headers, timeout=60,
+                   json={"prompts": ["x"], "sampling": {"max_tokens": 1}})
+    print(f"STARVATION 1-token request after the cancelled flood: {time.perf_counter() - t0:.3f}s")
+    assert r.status_code == 200
+
+
+def test_a_10mb_prompt_is_refused_before_tokenising(reliable):
+    r = httpx.post(reliable.url + "/generate", timeout=60,
+                   headers={"Authorization": f"Bearer {reliable.api_token}"},
+                   json={"prompts": ["a" * 10_000_000], "sampling": {"max_tokens": 1}})
+    assert r.status_code == 400 and r.json()["field"] == "prompts[0]"
+    assert httpx.get(reliable.url + "/health", timeout=30).status_code == 200
