@@ -2,8 +2,8 @@
 the point of no return, nothing serving until the next push), the next push
 succeeds, and no trainer or client is blocked past the deadline.
 
-(A trainer killed mid-push, a bad checksum and a bad shape are in
-tests/e2e/test_push.py; a server restart is in test_restart.py.)
+(A trainer killed mid-push and a bad checksum are in tests/e2e/test_push.py; a
+server restart under a long-lived pusher is in test_lifecycle.py.)
 """
 
 from __future__ import annotations
@@ -74,6 +74,26 @@ def test_a_second_trainer_is_refused_while_the_first_pushes(reliable, trainer):
     v = served_version(reliable) + 1
     assert other.push(trainer.weights.load(v), version=v).version == v
     assert push_next(reliable, trainer).version == v + 1
+    assert_settled(reliable, v + 1)
+
+
+def test_a_takeover_is_clean_for_both_trainers(reliable, trainer):
+    push_next(reliable, trainer)
+    old_connection = trainer.pusher.transport.connection_id
+    other = WeightPusher(reliable.url, admin_token=reliable.admin_token, bucket_mb=1,
+                         verify=False, takeover=True)
+    v = served_version(reliable) + 1  # within the first trainer's lease: taken over
+    assert other.push(trainer.weights.load(v), version=v).version == v
+    # The first trainer's old connection is refused by name, never left to hang
+    # on a group that no longer exists...
+    index = admin(reliable, "GET", "/weights/index").json()
+    r = admin(reliable, "POST", "/weights/begin", json={
+        "version": v + 1, "transport": "gloo", "connection_id": old_connection,
+        "buckets": _manifest(index, {})})
+    assert r.status_code == 409 and "taken over" in r.json()["error"], r.text
+    # ...and its pusher reconnects once the new owner's lease runs out.
+    assert push_next(reliable, trainer).version == v + 1
+    assert trainer.pusher.transport.connection_id != old_connection
     assert_settled(reliable, v + 1)
 
 
