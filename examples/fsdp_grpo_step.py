@@ -3,7 +3,7 @@
 Run next to a server (`rollout-sidecar serve`), e.g.:
   ROLLOUT_SIDECAR_URL=http://127.0.0.1:8000 ROLLOUT_SIDECAR_ADMIN_TOKEN=... \
   torchrun --nproc-per-node 2 examples/fsdp_grpo_step.py --model PATH
-The full loop with rewards, advantages and a report is rollout_sidecar.trainer.demo_loop.
+The full loop with rewards, advantages and a report is rollout_sidecar.demo.loop.
 """
 
 import argparse

@@ -20,23 +20,13 @@ from rollout_sidecar.server.engine import GenerationEngine
 from rollout_sidecar.server.errors import BadRequest, PushConflict, ServiceUnavailable
 from rollout_sidecar.server.metrics import ServerMetrics
 from rollout_sidecar.server.middleware import DrainAndMeasure
+from rollout_sidecar.server.model_source import resolve_model
 from rollout_sidecar.server.openapi import install_openapi
 from rollout_sidecar.server.routes import generate, health, metrics, weights
 from rollout_sidecar.server.version_gate import MinVersionTimeout
 from rollout_sidecar.server.weights.service import TRANSPORTS, WeightService
 
 log = logging.getLogger("rollout_sidecar.server")
-
-def resolve_model(settings: ServerSettings) -> Path:
-    if settings.model:
-        path = Path(settings.model)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"--model {path}: no config.json; give a local HF checkpoint")
-        return path
-    from rollout_sidecar.server.default_model import ensure_default_model
-
-    return ensure_default_model(settings.cache_dir)
-
 
 EngineFactory = Callable[..., Any]
 
@@ -47,17 +37,20 @@ def _error(status: int, message: str, field: str | None = None, detail: list | N
                         status_code=status, headers=headers)
 
 
-def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = None) -> FastAPI:
-    """`engine_factory` exists for unit tests that say they use a fake engine."""
+def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = None,
+               model_path: Path | None = None) -> FastAPI:
+    """`model_path`: the checkpoint, if the caller resolved it already (see
+    model_source.py). `engine_factory` exists for unit tests that say they use
+    a fake engine."""
     factory = engine_factory or GenerationEngine
     app_metrics = ServerMetrics()
     boot_id = uuid.uuid4().hex[:12]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        model_path = resolve_model(settings)
-        log.info("loading %s (boot %s)", model_path, boot_id)
-        engine = factory(settings, model_path, app_metrics, boot_id)
+        path = model_path or resolve_model(settings)
+        log.info("loading %s (boot %s)", path, boot_id)
+        engine = factory(settings, path, app_metrics, boot_id)
         # Every error path below releases what was started: engine processes, port.
         with contextlib.ExitStack() as stack:
             stack.callback(engine.shutdown)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rollout_sidecar.client.schema import CommitPolicy
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+ServeDtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 
 class ServerSettings(BaseSettings):
@@ -18,16 +22,24 @@ class ServerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ROLLOUT_SIDECAR_", extra="ignore")
 
-    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    host: str = Field("127.0.0.1", description="HTTP bind address. Ours is loopback where "
+                      "vLLM binds all interfaces: a sidecar talks to its trainer over "
+                      "localhost, and exposing it is a choice (the chart sets 0.0.0.0).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     model: str | None = Field(
-        None, description="Local HF checkpoint dir; unset serves the embedded default model."
+        None, description="A local HF checkpoint dir or a Hugging Face hub id (resolved as "
+        "vLLM does: HF_HOME cache, HF_HUB_OFFLINE honoured); unset serves the embedded default "
+        "model."
     )
     cache_dir: Path = Field(
         Path.home() / ".cache" / "rollout-sidecar",
         description="Where the embedded default model is built once.",
     )
-    dtype: str = Field("bfloat16", description="Serving dtype; pushes are cast to it.")
+    dtype: ServeDtype = Field(
+        "bfloat16", description="Serving dtype; pushes are cast to it. Ours is bfloat16 where "
+        "vLLM's is auto: RL trainers compute in bf16 mixed precision, and a checkpoint saved "
+        "in fp32 would otherwise be served at twice the memory. float32 makes served logprobs "
+        "reproduce a trainer's fp32 forward exactly.")
     lm_head_fp32: bool = Field(
         False,
         description="Compute the lm_head's logits in float32 over the serving-dtype body "
@@ -35,21 +47,29 @@ class ServerSettings(BaseSettings):
         "(ScaleRL, MiniMax-M1). Compute your trainer's head in fp32 too. Costs a cast of "
         "the head's weight per step on CPU; free on CUDA.",
     )
-    max_model_len: int = Field(1024, ge=16)
+    max_model_len: int | None = Field(
+        None, ge=16, description="Longest prompt + completion in tokens. Unset: the model's "
+        "own (as vLLM), lowered only if the KV cache cannot hold one such sequence.")
     gpu_memory_utilization: float = Field(
         0.3,
         gt=0.0,
         le=1.0,
-        description="Fraction of device memory (of node memory on CPU) for weights + KV cache.",
+        description="Fraction of GPU memory for weights + KV cache (on CPU the KV cache size "
+        "is VLLM_CPU_KVCACHE_SPACE). Ours is 0.3 where vLLM's is 0.9: a push stages the "
+        "incoming weights outside vLLM's budget, and a sidecar often shares its GPU.",
     )
-    max_num_seqs: int = Field(256, ge=1, description="Sequences batched at once.")
+    max_num_seqs: int = Field(256, ge=1, description="Sequences batched at once (vLLM's "
+                              "default on most GPUs).")
     max_sequences_per_request: int = Field(
         4096, ge=1, description="Cap on prompts x n in one /generate request (400 above it), "
         "so one request cannot queue work for minutes.")
     max_prompt_bytes: int | None = Field(
         None, ge=1, description="Longest prompt string in bytes, checked before tokenising; "
         "default 32 bytes per token of max_model_len.")
-    enforce_eager: bool = Field(True, description="Skip graph capture: faster start.")
+    enforce_eager: bool = Field(
+        True, description="Skip CUDA graph capture and compilation. Ours is true where vLLM's "
+        "is false: a server starts in seconds (minutes of compilation on CPU); set false on "
+        "a GPU for faster decoding.")
     seed: int = Field(0, description="Engine seed.")
 
     api_token: SecretStr | None = Field(
@@ -91,6 +111,7 @@ class ServerSettings(BaseSettings):
         60.0, ge=0, description="How long /generate waits for min_weight_version before 409."
     )
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: time to finish requests.")
+    log_level: LogLevel = Field("info", description="Server and uvicorn log level.")
 
     def model_post_init(self, _context: object) -> None:
         api = self.api_token.get_secret_value() if self.api_token else None

@@ -77,7 +77,9 @@ class GenerationEngine:
         args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=s.dtype,
-            max_model_len=s.max_model_len,
+            # -1: the model's own length, lowered by vLLM only if the KV cache
+            # cannot hold one sequence of it (vLLM's auto-fit).
+            max_model_len=s.max_model_len or -1,
             gpu_memory_utilization=s.gpu_memory_utilization,
             max_num_seqs=s.max_num_seqs,
             enforce_eager=s.enforce_eager,

@@ -9,6 +9,7 @@ import uvicorn
 
 from rollout_sidecar.server.app import create_app
 from rollout_sidecar.server.config import ServerSettings
+from rollout_sidecar.server.model_source import check_max_model_len, resolve_model
 
 log = logging.getLogger("rollout_sidecar.server")
 
@@ -28,10 +29,14 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(settings: ServerSettings, log_level: str = "info") -> None:
-    app = create_app(settings)
+def run_server(settings: ServerSettings) -> None:
+    """Resolve and check the model first (errors name the flag, before any
+    engine starts), then serve."""
+    path = resolve_model(settings)
+    check_max_model_len(path, settings)
+    app = create_app(settings, model_path=path)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=log_level,
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
         timeout_graceful_shutdown=int(settings.drain_timeout_s), access_log=False,
     )
     DrainingServer(config, app).run()

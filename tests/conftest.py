@@ -41,8 +41,8 @@ class Server:
 
 
 def start_server(tmp: Path, name: str, extra_env: dict | None = None,
-                 model: Path | None = None, dtype: str | None = None,
-                 like: Server | None = None, max_model_len: int = 512) -> Server:
+                 model: Path | str | None = None, dtype: str | None = None,
+                 like: Server | None = None, max_model_len: int | None = 512) -> Server:
     """A real server on free ports; `like` restarts one on its ports and tokens."""
     port, dp_port = (like.port, like.dp_port) if like else (free_port(), free_port())
     api, admin = (like.api_token, like.admin_token) if like else (secrets.token_hex(8),
@@ -56,9 +56,10 @@ def start_server(tmp: Path, name: str, extra_env: dict | None = None,
            "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     log = tmp / f"{name}.log"
     extra = (["--model", str(model)] if model else []) + (["--dtype", dtype] if dtype else [])
+    extra += ["--max-model-len", str(max_model_len)] if max_model_len else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
-         "--data-plane-port", str(dp_port), "--max-model-len", str(max_model_len), *extra],
+         "--data-plane-port", str(dp_port), *extra],
         env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

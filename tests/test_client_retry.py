@@ -50,3 +50,45 @@ def test_connect_error_is_retried_then_raised():
             c.generate(["a"])
         with pytest.raises(TimeoutError):
             c.wait_until_ready(timeout=0.3, poll_s=0.1)
+
+
+def test_retry_after_is_honoured_in_both_forms():
+    import email.utils
+    import time
+
+    policy = RetryPolicy(backoff_s=100, max_backoff_s=100, max_retry_after_s=30)
+    seconds = httpx.Response(503, headers={"Retry-After": "2"})
+    date = httpx.Response(503, headers={"Retry-After": email.utils.formatdate(
+        time.time() + 10, usegmt=True)})
+    huge = httpx.Response(503, headers={"Retry-After": "3600"})
+    assert policy.delay(0, seconds) == 2
+    assert 8 <= policy.delay(0, date) <= 10
+    assert policy.delay(0, huge) == 30  # capped
+    assert 0 <= policy.delay(0, httpx.Response(503)) <= 100  # no header: jittered backoff
+
+
+def test_async_client_is_the_same_api():
+    import asyncio
+    import inspect
+
+    from rollout_sidecar.client import AsyncGenerationClient
+
+    for name in ("generate", "score", "info"):
+        sync, coro = getattr(GenerationClient, name), getattr(AsyncGenerationClient, name)
+        assert inspect.signature(sync) == inspect.signature(coro) and sync.__doc__
+        assert inspect.iscoroutinefunction(coro)
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        if len(calls) == 1:
+            return httpx.Response(503, headers={"Retry-After": "0"}, json={"error": "draining"})
+        return httpx.Response(200, json=OK)
+
+    async def run():
+        async with AsyncGenerationClient("http://x", retry=FAST,
+                                         transport=httpx.MockTransport(handler)) as c:
+            return await c.generate(["a"], min_weight_version=3)
+
+    assert asyncio.run(run()).weight_version == 3
+    assert len(calls) == 2 and b'"min_weight_version":3' in calls[1].content

@@ -16,11 +16,12 @@ import pytest
 
 pytestmark = pytest.mark.slow
 STEPS = 12
+FROZEN_STEPS = 6  # enough to see the reward stay flat; the frozen run proves no climb
 
 
-def run_demo(tmp_path, push: bool) -> dict:
+def run_demo(tmp_path, push: bool, steps: int) -> dict:
     out = tmp_path / ("push" if push else "nopush")
-    cmd = [sys.executable, "-m", "rollout_sidecar.server.cli", "demo", "--steps", str(STEPS),
+    cmd = [sys.executable, "-m", "rollout_sidecar.server.cli", "demo", "--steps", str(steps),
            "--out-dir", str(out), "--seed", "0", "--push" if push else "--no-push"]
     env = dict(os.environ, ROLLOUT_SIDECAR_CACHE_DIR=os.environ.get(
         "ROLLOUT_SIDECAR_TEST_CACHE", str(tmp_path / "cache")))
@@ -36,11 +37,11 @@ def late_minus_early(report: dict) -> float:
 
 
 def test_reward_climbs_only_when_weights_are_pushed(tmp_path):
-    pushed = run_demo(tmp_path, push=True)
+    pushed = run_demo(tmp_path, push=True, steps=STEPS)
     assert [s["weight_version"] for s in pushed["steps"]] == list(range(1, STEPS + 1))
     # Every step's rollouts came from the weights pushed by the step before.
     assert [s["served_version"] for s in pushed["steps"]] == list(range(0, STEPS))
-    frozen = run_demo(tmp_path, push=False)
+    frozen = run_demo(tmp_path, push=False, steps=FROZEN_STEPS)
     assert all(s["served_version"] == 0 for s in frozen["steps"])
     gain, frozen_gain = late_minus_early(pushed), late_minus_early(frozen)
     assert gain > 0.15, pushed["steps"]

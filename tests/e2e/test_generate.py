@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import torch
@@ -116,7 +118,7 @@ def test_min_weight_version_in_the_future_is_409(server):
     assert e.value.field == "min_weight_version"
 
 
-def test_health_ready_info_metrics(server):
+def test_health_ready_info(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").status_code == 200
     with server.client() as c:
@@ -126,11 +128,41 @@ def test_health_ready_info_metrics(server):
     with safe_open(str(server.model_path / "model.safetensors"), "pt") as f:
         numel = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
     assert info.max_model_len == 512 and info.num_parameters == numel
-    m = httpx.get(server.url + "/metrics").text
-    for name in ("rollout_sidecar_requests_total", "rollout_sidecar_generated_tokens_total",
-                 "rollout_sidecar_request_latency_seconds", "rollout_sidecar_requests_running",
-                 "rollout_sidecar_requests_waiting"):
-        assert name in m
+
+
+def _metrics(server) -> dict[str, float]:
+    """/metrics through a Prometheus text parser: sample name -> sum over labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def test_metrics_serve_ours_and_vllms_own(server):
+    before = _metrics(server)
+    for name in ("rollout_sidecar_requests_total", "rollout_sidecar_weight_version",
+                 "rollout_sidecar_requests_running", "rollout_sidecar_requests_gated",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:e2e_request_latency_seconds_count"):
+        assert name in before, name
+    with server.client() as c:
+        c.generate(["count me"], sampling=dict(max_tokens=5, seed=3))
+    deadline = time.monotonic() + 10  # vLLM records after the output is handed over
+    while True:
+        after = _metrics(server)
+        done = (after["vllm:generation_tokens_total"]
+                >= before["vllm:generation_tokens_total"] + 5)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert done, (before["vllm:generation_tokens_total"], after["vllm:generation_tokens_total"])
+    assert (after["rollout_sidecar_generated_tokens_total"]
+            >= before["rollout_sidecar_generated_tokens_total"] + 5)
 
 
 def test_score_returns_prompt_logprobs_of_the_served_weights(server):

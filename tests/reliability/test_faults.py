@@ -198,7 +198,10 @@ def test_a_connect_nobody_joins_does_not_hold_generation(reliable, trainer):
     answered_while_waiting = t.is_alive()
     t.join(60)
     assert answered_while_waiting and r.results[0].samples[0].token_ids
-    assert done["r"].status_code == 409 and "did not join" in done["r"].json()["error"]
+    # Refused by name, whichever side's bound ran out first (ours or the store's).
+    error = done["r"].json()["error"]
+    assert done["r"].status_code == 409 and "connect ghost" in error
+    assert "did not join" in error or "timeout" in error, error
     v = served_version(reliable)
     assert push_next(reliable, trainer).version == v + 1  # the trainer reconnects
 

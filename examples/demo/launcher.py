@@ -47,7 +47,7 @@ def launch_demo(steps: int, model: str | None, nproc: int, server_url: str | Non
              str(model_path), "--port", str(port), "--data-plane-port", str(_free_port())],
             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), "-m", "rollout_sidecar.trainer.demo_loop",
+           "--master-port", str(_free_port()), "-m", "rollout_sidecar.demo.loop",
            "--url", server_url, "--model", str(model_path), "--steps", str(steps),
            "--out", str(out_dir), "--seed", str(seed)] + ([] if push else ["--no-push"])
     try:
