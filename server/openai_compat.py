@@ -105,10 +105,12 @@ class RequestTag:
         abort their engine requests) and free the lease. Idempotent."""
         self._submit_open = False
         gens, self._gens = self._gens, []
-        for gen in gens:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(gen.aclose())
-        self.lease.finished()
+        try:
+            for gen in gens:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(gen.aclose())
+        finally:  # even if cancelled meanwhile: a leaked lease would stall every commit
+            self.lease.finished()
 
 
 class GatedEngineClient:
@@ -133,9 +135,12 @@ class GatedEngineClient:
     async def _run(self, tag: RequestTag, prompt: Any, params: Any, request_id: str,
                    kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
         from vllm.outputs import STREAM_FINISHED
+        from vllm.sampling_params import RequestOutputKind
 
         engine, gate = self._engine, self._engine.gate
-        q, track, accepted, finished = None, None, False, False
+        # Streams get deltas; otherwise the last output holds every token.
+        deltas = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
+        q, track, accepted, finished, sampled = None, None, False, False, 0
         try:
             q = await engine.llm.add_request(request_id, prompt, params, **kwargs)
             track = engine.watch(q)
@@ -149,8 +154,14 @@ class GatedEngineClient:
                     track.finish_version = gate.version
                 # A commit may have frozen the finish version before we read it.
                 tag.last = max(tag.last, track.finish_version if finished else gate.version)
-                if out is not STREAM_FINISHED:
-                    yield out
+                if out is STREAM_FINISHED:
+                    continue
+                n = sum(len(c.token_ids) for c in out.outputs)
+                sampled = sampled + n if deltas else n
+                if finished:
+                    engine.metrics.prompt_tokens.inc(len(out.prompt_token_ids or ()))
+                    engine.metrics.generated_tokens.inc(sampled)
+                yield out
         except BaseException:  # cancelled, closed or failed: free the engine
             if q is not None and not finished:
                 await _shielded(engine.llm.abort(q.request_id, internal=True))
