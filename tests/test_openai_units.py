@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,16 @@ from rollout_sidecar.server.version_gate import VersionGate
 @dataclass
 class Out:
     finished: bool
+    outputs: tuple = ()
+    prompt_token_ids: tuple = ()
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
 
 
 class Collector:
@@ -55,6 +66,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.gate = VersionGate(0)
         self.llm = FakeLLM()
+        self.metrics = SimpleNamespace(prompt_tokens=Counter(), generated_tokens=Counter())
         self._tracks: set = set()
 
 
