@@ -21,8 +21,9 @@ from rollout_sidecar.server.errors import BadRequest, PushConflict, ServiceUnava
 from rollout_sidecar.server.metrics import ServerMetrics
 from rollout_sidecar.server.middleware import DrainAndMeasure
 from rollout_sidecar.server.model_source import resolve_model
+from rollout_sidecar.server.openai_compat import build_state
 from rollout_sidecar.server.openapi import install_openapi
-from rollout_sidecar.server.routes import generate, health, metrics, weights
+from rollout_sidecar.server.routes import generate, health, metrics, openai_api, weights
 from rollout_sidecar.server.version_gate import MinVersionTimeout
 from rollout_sidecar.server.weights.service import TRANSPORTS, WeightService
 
@@ -55,6 +56,8 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
         with contextlib.ExitStack() as stack:
             stack.callback(engine.shutdown)
             await engine.start()
+            if getattr(engine, "llm", None) is not None:  # not for a fake engine
+                app.state.openai = await build_state(engine, settings.openai_args)
             app.state.engine = engine
             app.state.weights = WeightService(engine, settings, app_metrics, boot_id)
             app.state.weights.start()
@@ -76,7 +79,8 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
     app.state.not_ready_reason = "model loading"
     app.state.draining = False
     app.state.transports = TRANSPORTS
-    for module in (generate, health, metrics, weights):
+    app.state.openai = None
+    for module in (generate, openai_api, health, metrics, weights):
         app.include_router(module.router)
     install_openapi(app)
 

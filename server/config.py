@@ -81,6 +81,13 @@ class ServerSettings(BaseSettings):
         "Unset: weight routes refuse every call.",
     )
 
+    openai_args: str = Field(
+        "", description="Extra `vllm serve` frontend flags for the OpenAI routes (/v1/*), "
+        "parsed by vLLM's own parser, e.g. '--chat-template FILE' or "
+        "'--enable-auto-tool-choice --tool-call-parser hermes'. Engine flags here have no "
+        "effect: the engine is configured by the settings above."
+    )
+
     commit_policy: CommitPolicy = Field(
         "wait", description="In-flight requests at a weight commit: wait | abort | keep."
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 # 256 byte tokens, then the specials. head_dim is 64: vLLM's CPU attention
 # rejects 16.
-SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|reserved_0|>", "<|reserved_1|>",
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|reserved_1|>",
                   "<|reserved_2|>", "<|reserved_3|>", "<|reserved_4|>"]
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
@@ -32,8 +32,17 @@ MODEL_CONFIG = dict(
     initializer_range=0.02,
 )
 SEED = 1234
-# Bumped whenever the recipe changes, so a stale cache is rebuilt.
-RECIPE_VERSION = "2"
+# Bumped whenever the recipe changes, so a stale cache is rebuilt (it is part of
+# the cache dir's name). r3: the chat template (/v1/chat/completions works out of
+# the box); weights are unchanged, the seed regenerates them bit for bit.
+RECIPE_VERSION = "3"
+# ChatML-like turns. A turn ends with EOS, so a reply that stopped on EOS is
+# followed by the same tokens when a later turn replays it. The text between
+# the markers is plain bytes: the tokenizer maps every byte to one token.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_tokenizer(out: Path) -> None:
@@ -59,6 +68,7 @@ def write_tokenizer(out: Path) -> None:
         "add_bos_token": False, "add_eos_token": False,
         "model_max_length": MODEL_CONFIG["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2))

@@ -164,6 +164,16 @@ class GenerationEngine:
                     track.finish_version = self.gate.version
                 return out
 
+    def watch(self, collector: Any) -> _Track:
+        """Track a request submitted outside `generate` (the /v1 routes,
+        openai_compat.py), so that `freeze_finished` sees it too."""
+        track = _Track(collector)
+        self._tracks.add(track)
+        return track
+
+    def unwatch(self, track: _Track) -> None:
+        self._tracks.discard(track)
+
     def freeze_finished(self) -> None:
         """Called by a commit just before it publishes: requests whose final
         output already waits in their queue finished on the current version,

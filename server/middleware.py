@@ -15,7 +15,8 @@ from typing import Any
 ALWAYS_OPEN = {"/health", "/ready", "/metrics"}
 ROUTES = {"/generate", "/health", "/ready", "/info", "/metrics", "/weights/connect",
           "/weights/begin", "/weights/commit", "/weights/abort", "/weights/status",
-          "/weights/index", "/weights/verify"}
+          "/weights/index", "/weights/verify", "/v1/completions", "/v1/chat/completions",
+          "/v1/models"}
 
 
 class DrainAndMeasure:

@@ -1,0 +1,160 @@
+"""POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+
+vLLM's own OpenAI handlers (state built in openai_compat.py) behind our API
+token and version gate. Every response carries `weight_version`,
+`weight_versions` and `weight_suspect` (in the JSON body; in every chunk of a
+stream) and an `X-Weight-Version` header; requests accept
+`min_weight_version` as an extra body field.
+
+Errors: ours (401, 409 min_weight_version, 400 from our checks, 422 schema,
+503) have our `{error, field, detail}` shape, as on /generate; errors from
+inside vLLM's layer keep vLLM's OpenAI shape `{"error": {"message", "type",
+"param", "code"}}`, which is what OpenAI clients parse. The routes are left
+out of /openapi.json: their schemas are vLLM's (and OpenAI's), not ours.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from rollout_sidecar.server.auth import require_api_token
+from rollout_sidecar.server.errors import BadRequest, ServiceUnavailable
+from rollout_sidecar.server.openai_compat import RequestTag, tagged_chunks
+from rollout_sidecar.server.routes.generate import until_disconnected
+
+log = logging.getLogger(__name__)
+router = APIRouter(dependencies=[Depends(require_api_token)], include_in_schema=False)
+VERSION_HEADER = "X-Weight-Version"
+
+class _LeasedStream(StreamingResponse):
+    """A stream that frees its request's lease when it ends, however it ends
+    (finished, client gone, send failed)."""
+
+    def __init__(self, tag: RequestTag, content: Any, headers: dict[str, str]) -> None:
+        super().__init__(tagged_chunks(content, tag), media_type="text/event-stream",
+                         headers=headers)
+        self.tag = tag
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.tag.release()
+
+
+def _vllm_state(request: Request) -> Any:
+    state = request.app.state.openai
+    if state is None:  # a fake engine (unit tests) has no vLLM serving layer
+        raise ServiceUnavailable("the OpenAI routes need the vLLM engine")
+    return state
+
+
+def _min_version(body: BaseModel) -> int | None:
+    value = (body.model_extra or {}).get("min_weight_version")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequest("min_weight_version must be a non-negative integer",
+                         "min_weight_version")
+    return value
+
+
+def _check(body: Any, cap: int) -> None:
+    if getattr(body, "use_beam_search", False):
+        # Beam search submits once per step, past the submit hold: untaggable.
+        raise BadRequest("use_beam_search is not served here", "use_beam_search")
+    prompt = getattr(body, "prompt", None)
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(
+        prompt[0], int) else 1
+    if (body.n or 1) * prompts > cap:
+        raise BadRequest(f"prompts x n = {(body.n or 1) * prompts} is over this server's "
+                         f"max_sequences_per_request ({cap})", "n")
+
+
+def _vllm_error(exc: Exception) -> JSONResponse:
+    from vllm.entrypoints.serve.exception_handling.error_response import (
+        create_error_response,
+    )
+
+    err = create_error_response(exc)
+    if err.error.code >= 500:
+        log.exception("/v1 request failed", exc_info=exc)
+    return JSONResponse(err.model_dump(), status_code=err.error.code)
+
+
+async def _serve(body: Any, request: Request,
+                 create: Callable[[Any, Request], Awaitable[Any]]) -> Response:
+    """Admit, let vLLM's handler run under the lease, tag what it answers."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    engine, settings = request.app.state.engine, request.app.state.settings
+    _check(body, settings.max_sequences_per_request)
+    lease = await engine.gate.admit(_min_version(body), settings.min_version_wait_s)
+    tag = RequestTag(engine, lease)
+    streaming = False
+    try:
+        with tag.current():
+            result = await create(body, request)
+        if isinstance(result, ErrorResponse):
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+        headers = {VERSION_HEADER: str(lease.version)}
+        if isinstance(result, BaseModel):
+            return JSONResponse({**result.model_dump(), **tag.fields()}, headers=headers)
+        streaming = True  # from here the stream owns the lease
+        return _LeasedStream(tag, result, headers)
+    except Exception as e:  # raised inside vLLM's layer: its OpenAI error shape
+        return _vllm_error(e)
+    finally:
+        if not streaming:
+            await tag.release()
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    """The body as vLLM's request model. Parsed here, not in the signature,
+    so that importing the app does not import vLLM (it loads at startup)."""
+    try:
+        data = json.loads(await request.body())
+    except ValueError as e:
+        raise BadRequest(f"body is not JSON: {e}", None) from e
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        # Drop pydantic's wrapper markers from `loc` (they name no field).
+        raise RequestValidationError([
+            {"loc": ("body", *(p for p in err["loc"] if not any(c in str(p) for c in "[(")),),
+             "msg": err["msg"], "type": err["type"]} for err in e.errors()]) from e
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    body = await _parse(request, ChatCompletionRequest)
+    handler = _vllm_state(request).openai_serving_chat
+    return await until_disconnected(request, _serve(body, request,
+                                                    handler.create_chat_completion))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Any:
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    body = await _parse(request, CompletionRequest)
+    handler = _vllm_state(request).openai_serving_completion
+    return await until_disconnected(request, _serve(body, request, handler.create_completion))
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    listed = await _vllm_state(request).openai_serving_models.show_available_models()
+    version = request.app.state.engine.gate.version
+    return JSONResponse({**listed.model_dump(), "weight_version": version},
+                        headers={VERSION_HEADER: str(version)})
