@@ -161,3 +161,29 @@ def test_each_package_imports_only_what_its_docstring_says(package, forbidden):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]", f"{package} imports {out}"
+
+
+def test_every_setting_is_a_serve_flag_with_its_env_var_and_default():
+    from unittest import mock
+
+    from pydantic import SecretStr
+    from typer.testing import CliRunner
+
+    import rollout_sidecar.server.cli as cli
+    from rollout_sidecar.server.config import ServerSettings
+
+    help_text = CliRunner().invoke(cli.app, ["serve", "--help"], env={"COLUMNS": "1000"}).output
+    for name, field in ServerSettings.model_fields.items():
+        secret = SecretStr in getattr(field.annotation, "__args__", (field.annotation,))
+        flag, env = "--" + name.replace("_", "-"), "ROLLOUT_SIDECAR_" + name.upper()
+        # Tokens: environment only (the help names their variables, never a flag).
+        assert (flag in help_text) != secret and env in help_text, name
+    assert "default: 30.0" in help_text and "default: wait" in help_text
+    seen = {}
+    with mock.patch("rollout_sidecar.server.serve.run_server", lambda s: seen.update(s=s)):
+        r = CliRunner().invoke(cli.app, ["serve", "--commit-policy", "keep", "--no-enforce-eager",
+                                         "--openai-args=--tool-call-parser hermes"])
+    assert r.exit_code == 0, r.output
+    s = seen["s"]
+    assert (s.commit_policy, s.enforce_eager, s.openai_args) == ("keep", False,
+                                                                 "--tool-call-parser hermes")
