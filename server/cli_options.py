@@ -32,7 +32,7 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
-def _default_text(name: str, field: FieldInfo) -> str:
+def _default_text(field: FieldInfo) -> str:
     default = field.get_default(call_default_factory=True)
     if default is None or default is PydanticUndefined:
         return "unset"
@@ -48,7 +48,7 @@ def _parameter(name: str, field: FieldInfo) -> inspect.Parameter:
     flag = "--" + name.replace("_", "-")
     env = ENV_PREFIX + name.upper()
     # Parentheses, not brackets: rich would read [..] as markup.
-    help_text = f"{field.description or ''} (env {env}; default: {_default_text(name, field)})"
+    help_text = f"{field.description or ''} (env {env}; default: {_default_text(field)})"
     option: Any
     if kind is bool:
         option = typer.Option(None, f"{flag}/--no-{name.replace('_', '-')}", help=help_text,

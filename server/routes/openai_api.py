@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(dependencies=[Depends(require_api_token)], include_in_schema=False)
 VERSION_HEADER = "X-Weight-Version"
 
+
 class _LeasedStream(StreamingResponse):
     """A stream that frees its request's lease when it ends, however it ends
     (finished, client gone, send failed)."""
