@@ -191,7 +191,7 @@ def per_param_push(url: str, token: str, model: torch.nn.Module, version: int) -
                           checksum: int | None) -> Any:
         nonlocal calls
         calls += 1
-        pusher.admin.status()  # the per-parameter HTTP round trip
+        pusher.replicas.admins[0].status()  # the per-parameter HTTP round trip
         return send(index, buf, push_id, checksum)
 
     pusher.transport.send = send_with_request

@@ -256,6 +256,23 @@ class ConnectRequest(_Strict):
                              "trainer to join the group (capped by the server).")
     takeover: Bool = Field(False, description="Replace another trainer's connection even "
                            "within its lease (that trainer's next begin is refused).")
+    trainer_id: str | None = Field(
+        None, max_length=128, description="The pusher's id: the trainer that owns the data "
+        "plane may replace its own connection within the lease (to bring a restarted replica "
+        "back into the group).")
+    world_size: Int = Field(2, ge=2, le=65536, description="Ranks in the group: the trainer "
+                            "(rank 0) plus every worker of every replica.")
+    rank_offset: Int = Field(1, ge=1, description="This server's first worker rank; its "
+                             "workers take rank_offset .. rank_offset + data_plane_ranks - 1.")
+    store_host: str | None = Field(None, max_length=255, description="Rendezvous store "
+                                   "(another replica's data plane); default: this server's.")
+    store_port: Int | None = Field(None, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _store_pair(self) -> ConnectRequest:
+        if (self.store_host is None) != (self.store_port is None):
+            raise ValueError("store_host and store_port go together")
+        return self
 
 
 class ConnectResponse(BaseModel):
@@ -281,9 +298,25 @@ class BeginResponse(BaseModel):
     commit_policy: CommitPolicy
 
 
-class CommitRequest(_Strict):
+class PrepareRequest(_Strict):
+    """Phase 1 of a commit across replicas: every bucket arrived and matches."""
+
     push_id: str
     checksums: list[Int] = Field(description="CRC-32 of each bucket's bytes, in order.")
+
+
+class PrepareResponse(BaseModel):
+    push_id: str
+    deadline_s: float = Field(description="Commit (phase 2) or abort within this; the server "
+                              "aborts the prepared push after.")
+    timings: dict[str, float]
+
+
+class CommitRequest(_Strict):
+    push_id: str
+    checksums: list[Int] | None = Field(
+        None, description="CRC-32 of each bucket's bytes, in order; needed unless the push "
+        "was prepared (POST /weights/prepare), which checked them already.")
 
 
 class CommitResponse(BaseModel):
@@ -351,11 +384,13 @@ class WeightStatus(_Reply):
     max_model_len: int
     boot_id: str = Field(description="New at every server start: a change means the server "
                          "restarted, back on its checkpoint's weights.")
-    push_state: Literal["idle", "receiving", "committing"]
+    push_state: Literal["idle", "receiving", "verifying", "prepared", "committing"]
     push_in_progress: bool
     push_id: str | None = None
     connected: str | None = Field(description="Connection id of the data plane, if any.")
     data_plane_port: int
+    data_plane_ranks: int = Field(1, description="Workers of this server in the data-plane "
+                                  "group (TP x PP x DP).")
     transports: list[str]
     push_timeout_s: float = Field(description="The deadline of one push, begin to commit.")
     commit_drain_s: float = Field(description="Longest wait for in-flight requests at a commit.")

@@ -66,6 +66,9 @@ class ServerSettings(BaseSettings):
     max_prompt_bytes: int | None = Field(
         None, ge=1, description="Longest prompt string in bytes, checked before tokenising; "
         "default 32 bytes per token of max_model_len.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs (or CPU worker processes) one copy of the model is split "
+        "over; every worker joins the weight data plane and loads its own shard of a push.")
     enforce_eager: bool = Field(
         True, description="Skip CUDA graph capture and compilation. Ours is true where vLLM's "
         "is false: a server starts in seconds (minutes of compilation on CPU); set false on "
@@ -94,6 +97,11 @@ class ServerSettings(BaseSettings):
     data_plane_port: int = Field(
         29600, ge=0, le=65535, description="TCPStore port trainers rendezvous on (gloo/NCCL)."
     )
+    weight_staging: Literal["auto", "host", "device"] = Field(
+        "auto", description="Where a distributed push's buckets wait for the commit. host: "
+        "host memory (pinned on a GPU server), outside the GPU budget; device: GPU memory, "
+        "faster to load but a second copy of the model outside gpu_memory_utilization (a "
+        "0.9-utilisation server runs out of memory); auto: host. gloo always stages on host.")
     data_plane_host: str | None = Field(
         None, description="Address the data-plane TCPStore listens on; default: `host`."
     )

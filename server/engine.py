@@ -38,6 +38,7 @@ class EngineInfo:
     lm_head_dtype: str
     max_model_len: int
     vocab_size: int
+    workers: int = 1  # TP x PP x DP: this server's ranks in the data-plane group
 
 
 @dataclass(eq=False)
@@ -82,6 +83,7 @@ class GenerationEngine:
             max_model_len=s.max_model_len or -1,
             gpu_memory_utilization=s.gpu_memory_utilization,
             max_num_seqs=s.max_num_seqs,
+            tensor_parallel_size=s.tensor_parallel_size,
             enforce_eager=s.enforce_eager,
             seed=s.seed,
             weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKEND},
@@ -103,6 +105,7 @@ class GenerationEngine:
             lm_head_dtype=str(mc.head_dtype).removeprefix("torch."),
             max_model_len=mc.max_model_len,
             vocab_size=mc.get_vocab_size(),
+            workers=self.llm.vllm_config.parallel_config.world_size_across_dp,
         )
 
     async def check_health(self) -> None:

@@ -14,6 +14,7 @@ from rollout_sidecar.client.schema import (
     CommitResponse,
     ConnectResponse,
     LastPush,
+    PrepareResponse,
     ProbeRequest,
     ProbeResult,
     WeightIndex,
@@ -78,13 +79,18 @@ class WeightAdminClient:
             headers={"Content-Type": "application/json"}))
 
     def connect(self, connection_id: str, backend: str, timeout_s: float,
-                takeover: bool = False, lease_wait_s: float = 60.0) -> ConnectResponse:
+                takeover: bool = False, lease_wait_s: float = 60.0, *,
+                trainer_id: str | None = None, world_size: int = 2, rank_offset: int = 1,
+                store: tuple[str, int] | None = None) -> ConnectResponse:
         """While another connection's lease runs (a trainer that just restarted
         finds its old self there), wait as the server's Retry-After says, up to
         `lease_wait_s`; a trainer that is really pushing keeps renewing it, and
         then this raises with the server's reason."""
         body = {"connection_id": connection_id, "backend": backend, "timeout_s": timeout_s,
-                "takeover": takeover}
+                "takeover": takeover, "trainer_id": trainer_id, "world_size": world_size,
+                "rank_offset": rank_offset}
+        if store is not None:
+            body.update(store_host=store[0], store_port=store[1])
         deadline = time.monotonic() + lease_wait_s
         while True:
             try:
@@ -108,8 +114,14 @@ class WeightAdminClient:
             "X-Push-Id": push_id, "X-Checksum": str(checksum),
             "Content-Type": "application/octet-stream"})
 
-    def commit(self, push_id: str, checksums: list[int], timeout_s: float) -> CommitResponse:
-        """Waits for the server's verify + drain + load: `timeout_s` covers them."""
+    def prepare(self, push_id: str, checksums: list[int], timeout_s: float) -> PrepareResponse:
+        """Phase 1: waits until every bucket arrived and passed its CRC."""
+        return PrepareResponse.model_validate(self._call("POST", "/weights/prepare", json={
+            "push_id": push_id, "checksums": checksums}, timeout=timeout_s))
+
+    def commit(self, push_id: str, checksums: list[int] | None, timeout_s: float
+               ) -> CommitResponse:
+        """Waits for the server's (verify +) drain + load: `timeout_s` covers them."""
         return CommitResponse.model_validate(self._call("POST", "/weights/commit", json={
             "push_id": push_id, "checksums": checksums}, timeout=timeout_s))
 

@@ -9,13 +9,18 @@ and every rank raises the same exception type at the same point instead of
 leaving peers blocked in a collective. Every wait is bounded by the server's
 push deadline (`/weights/status`). The probe (`verify`, on by default) proves
 the commit: see probe.py.
+
+Several replicas: `url` lists them (or names a `dns+` headless Service). Each
+bucket is broadcast once to all of them, and the commit is all-or-nothing
+across them (replica_set.py): a push that any replica refuses before the
+commit is aborted everywhere.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +32,6 @@ from rollout_sidecar.client.schema import ProbeRequest, ProbeResult, WeightIndex
 from rollout_sidecar.trainer.admin_client import (
     NonFiniteWeightsError,
     ServerRestartedError,
-    WeightAdminClient,
     WeightMismatchError,
     WeightPushError,
 )
@@ -46,13 +50,23 @@ from rollout_sidecar.trainer.probe import (
     probe_token_ids,
     trainer_logprobs,
 )
+from rollout_sidecar.trainer.replica_set import ReplicaOutcome, ReplicaSet, describe, failures
 from rollout_sidecar.trainer.sender import BucketSender
 from rollout_sidecar.trainer.transport.distributed import DistributedTransport
 from rollout_sidecar.trainer.transport.http import HttpTransport
 
 log = logging.getLogger(__name__)
+
+
+class PartialCommitError(WeightPushError):
+    """Every replica prepared the push, but the load failed on some: those
+    leave the pool (/ready 503 with the reason) until a push succeeds, while
+    the others serve the new version. The message lists every replica."""
+
+
 _ERRORS = {"push": WeightPushError, "nonfinite": NonFiniteWeightsError,
-           "mismatch": WeightMismatchError, "restarted": ServerRestartedError}
+           "mismatch": WeightMismatchError, "restarted": ServerRestartedError,
+           "partial": PartialCommitError}
 
 
 @dataclass
@@ -63,7 +77,8 @@ class PushResult:
     timings: dict[str, float] = field(default_factory=dict)
     probe: ProbeResult | None = None
     commit_policy: str | None = None
-    server_restarted: bool = False  # the server had restarted since the previous push
+    server_restarted: bool = False  # a server had restarted since the previous push
+    replicas: list[ReplicaOutcome] = field(default_factory=list)
 
     @property
     def probe_gap(self) -> float | None:
@@ -75,7 +90,10 @@ class WeightPusher:
     """Push full weights from any trainer layout to a rollout-sidecar server.
 
     Args:
-        url: server URL (default $ROLLOUT_SIDECAR_URL).
+        url: server URL (default $ROLLOUT_SIDECAR_URL); several replicas as a
+            list, a comma-separated string, or `dns+http://name:port` (every
+            address of a headless Service, re-resolved at each push). Every
+            listed replica takes part in every push.
         admin_token: weights token (default $ROLLOUT_SIDECAR_ADMIN_TOKEN).
         transport: "gloo" (host memory), "nccl" (GPU to GPU) or "http".
         bucket_mb: bucket size; rank 0's extra peak is about
@@ -101,7 +119,7 @@ class WeightPusher:
             raising.
     """
 
-    def __init__(self, url: str | None = None, admin_token: str | None = None,
+    def __init__(self, url: str | Sequence[str] | None = None, admin_token: str | None = None,
                  transport: str = "gloo", bucket_mb: float = 256,
                  device: torch.device | None = None, data_plane_host: str | None = None,
                  verify: bool | Forward = True, verify_tolerance: float | None = None,
@@ -116,19 +134,18 @@ class WeightPusher:
         self.commit_policy = commit_policy
         self.on_server_restart = on_server_restart
         self._pushes = 0
-        self._boot_id: str | None = None
+        self._boot_ids: dict[str, str] = {}
         self._index: WeightIndex | None = None
-        self._status: Any = None
+        self._statuses: list[Any] = []
         self._sender = BucketSender()
         self.transport: Any = None
-        self.admin: WeightAdminClient | None = None
+        self.replicas: ReplicaSet | None = None
         if self.rank == 0:
-            url = url or os.environ.get("ROLLOUT_SIDECAR_URL", "http://127.0.0.1:8000")
-            self.admin = WeightAdminClient(url, admin_token)
+            self.replicas = ReplicaSet(url, admin_token)
             if transport == "http":
-                self.transport = HttpTransport(self.admin)
+                self.transport = HttpTransport(self.replicas)
             elif transport in ("gloo", "nccl"):
-                self.transport = DistributedTransport(self.admin, transport, data_plane_host,
+                self.transport = DistributedTransport(self.replicas, transport, data_plane_host,
                                                       takeover, lease_wait_s)
             else:
                 raise ValueError(f"transport must be gloo, nccl or http, not {transport!r}")
@@ -157,11 +174,11 @@ class WeightPusher:
         begun = self._agree(lambda: self._begin(model, version) if self.rank == 0 else None)
         t_begun = time.perf_counter()
         if self.rank == 0:
-            buckets, push_id, buffers, restarted = begun
+            buckets, push_ids, buffers, restarted = begun
             gathers = iter_full_tensors(model, self.device, buffers)
             try:
                 checksums, err = self._sender.send_all(
-                    buckets, CheckpointLayout(model).convert(gathers), self.transport, push_id)
+                    buckets, CheckpointLayout(model).convert(gathers), self.transport, push_ids)
             except Exception as e:  # e.g. a layout conversion; agreed on below
                 checksums, err = [], ("push", f"{type(e).__name__}: {e}")
             for _ in gathers:  # finish every gather the other ranks are in
@@ -171,7 +188,7 @@ class WeightPusher:
                 pass
         t_sent = time.perf_counter()
         outcome: PushResult = self._agree(
-            lambda: self._finish(push_id, checksums, err, buckets, restarted)
+            lambda: self._finish(push_ids, checksums, err, buckets, restarted)
             if self.rank == 0 else None)
         t_committed = time.perf_counter()
         if verify is None:  # the pusher's setting, every verify_every-th push
@@ -184,78 +201,115 @@ class WeightPusher:
                                total_s=time.perf_counter() - t0)
         return outcome
 
-    def _begin(self, model: nn.Module, version: int) -> tuple[list, str, list[str], bool]:
-        assert self.admin is not None
-        self._status = status = self.admin.status()
-        restarted = self._boot_id is not None and status.boot_id != self._boot_id
+    def _begin(self, model: nn.Module, version: int) -> tuple[list, list[str], list[str], bool]:
+        rs = self.replicas
+        assert rs is not None
+        if rs.refresh():  # a dns+ name resolved to other pods: a new group, a new index
+            self._index = None
+        self._statuses = statuses = rs.all(lambda a, i: a.status(), "status")
+        restarted = [u for u, st in zip(rs.urls, statuses, strict=True)
+                     if u in self._boot_ids and self._boot_ids[u] != st.boot_id]
         if restarted:
-            msg = (f"the server restarted (boot {self._boot_id} -> {status.boot_id}) and "
-                   f"serves weight_version {status.weight_version} again")
+            msg = (f"{', '.join(restarted)} restarted and serve their checkpoint's weights "
+                   "again")
             if self.on_server_restart == "raise":
                 raise ServerRestartedError(msg)
             log.warning("%s; pushing version %d restores the trained weights", msg, version)
-            self._index = None
-        self._boot_id = status.boot_id
-        serve_dtype = getattr(torch, status.dtype)
-        if self._index is None:
-            self._index = self.admin.index()
+        self._boot_ids = {u: st.boot_id for u, st in zip(rs.urls, statuses, strict=True)}
+        if len({st.dtype for st in statuses}) > 1:
+            raise WeightPushError("replicas serve different dtypes: " + ", ".join(
+                f"{u}: {st.dtype}" for u, st in zip(rs.urls, statuses, strict=True)))
+        serve_dtype = getattr(torch, statuses[0].dtype)
+        if self._index is None or restarted:
+            self._index = _same_index(rs.all(lambda a, i: a.index(), "index"), rs.urls)
         # Persistent buffers the served checkpoint holds travel with the params.
         buffers = sorted(set(persistent_buffers(model)) & set(self._index.tensors))
-        self.transport.ensure_connected(status)
+        self.transport.ensure_connected(statuses)
         wire = {n: getattr(torch, t.dtype) for n, t in self._index.tensors.items()}
         plan = CheckpointLayout(model).plan(param_plan(model, buffers))
         buckets = plan_buckets(plan, serve_dtype, self.bucket_bytes, wire)
-        resp = self.admin.begin(version, self.transport.name, manifest(buckets),
-                                self.transport.connection_id, self.commit_policy)
-        return buckets, resp.push_id, buffers, restarted
+        begun = rs.each(lambda a, i: a.begin(version, self.transport.name, manifest(buckets),
+                                             self.transport.connection_id, self.commit_policy))
+        if bad := failures(begun):
+            ids = [None if isinstance(r, Exception) else r.push_id for r in begun]
+            self._abort_all(ids, "another replica refused the push at begin")
+            raise WeightPushError("begin refused, nothing sent: " + "; ".join(
+                f"{rs.urls[i]}: {begun[i]}" for i in bad))
+        return buckets, [r.push_id for r in begun], buffers, bool(restarted)
 
-    def _finish(self, push_id: str, checksums: list[int], err: tuple[str, str] | None,
-                buckets: list, restarted: bool) -> PushResult:
-        assert self.admin is not None
+    def _abort_all(self, push_ids: list[str | None], reason: str) -> None:
+        """Abort on every replica that holds the push (a failed one already
+        ended it); the group is out of step with at least one of them."""
+        assert self.replicas is not None
+        self.transport.reset()
+        self.replicas.each(lambda a, i: a.abort(push_ids[i], reason)
+                           if push_ids[i] is not None else None)
+
+    def _finish(self, push_ids: list[str], checksums: list[int],
+                err: tuple[str, str] | None, buckets: list, restarted: bool) -> PushResult:
+        rs = self.replicas
+        assert rs is not None
         if err is not None:
-            self.transport.reset()
-            try:
-                self.admin.abort(push_id, err[1])
-            except WeightPushError:
-                pass  # the server may already have ended it; err says why
+            self._abort_all(push_ids, err[1])
             raise _ERRORS[err[0]](err[1])
-        # The server may wait for in-flight requests, then load: bound by its numbers.
-        s = self._status
-        try:
-            resp = self.admin.commit(push_id, checksums,
-                                     timeout_s=s.push_timeout_s + s.commit_drain_s + 60)
-        except WeightPushError:
+        # Each server may wait for in-flight requests, then load: bound by its numbers.
+        s = max(self._statuses, key=lambda st: st.push_timeout_s + st.commit_drain_s)
+        timeout_s = s.push_timeout_s + s.commit_drain_s + 60
+        # Phase 1: every replica has every bucket, CRC-checked; nothing is loaded yet.
+        prepared = rs.each(lambda a, i: a.prepare(push_ids[i], checksums, timeout_s))
+        if bad := failures(prepared):
+            self._abort_all([None if i in bad else p for i, p in enumerate(push_ids)],
+                            f"another replica refused the push: {prepared[bad[0]]}")
+            version = ", ".join(str(st.weight_version) for st in self._statuses)
+            raise WeightPushError(
+                f"push refused before the commit, on {len(bad)} of {len(push_ids)} replicas, "
+                f"so no replica published it (versions {version} keep serving): "
+                + "; ".join(f"{rs.urls[i]}: {prepared[i]}" for i in bad))
+        # Phase 2: load everywhere.
+        committed = rs.each(lambda a, i: a.commit(push_ids[i], None, timeout_s))
+        outcomes = [ReplicaOutcome(u, "failed", None, str(r)) if isinstance(r, Exception)
+                    else ReplicaOutcome(u, "committed", r.weight_version, None, r.timings)
+                    for u, r in zip(rs.urls, committed, strict=True)]
+        if failures(committed):
             self.transport.reset()
-            raise
-        return PushResult(version=resp.weight_version, nbytes=sum(b.nbytes for b in buckets),
-                          buckets=len(buckets), commit_policy=resp.commit_policy,
-                          server_restarted=restarted,
-                          timings={f"server_{k}": v for k, v in resp.timings.items()})
+            raise PartialCommitError(
+                "every replica prepared the push, but the commit failed on some (a failed load "
+                f"answers 503 until a push succeeds): {describe(outcomes)}")
+        first = committed[0]
+        return PushResult(version=first.weight_version, nbytes=sum(b.nbytes for b in buckets),
+                          buckets=len(buckets), commit_policy=first.commit_policy,
+                          server_restarted=restarted, replicas=outcomes,
+                          timings={f"server_{k}": max(o.timings.get(k, 0.0) for o in outcomes)
+                                   for k in first.timings})
 
     def _probe(self, model: nn.Module, outcome: PushResult, verify: bool | Forward,
                tolerance: float | None) -> None:
-        """All ranks: forward the probe; rank 0: have the server compare."""
-        ids = self._agree(lambda: probe_token_ids(self._status.vocab_size,
-                                                  self._status.max_model_len)
+        """All ranks: forward the probe; rank 0: have every replica compare."""
+        ids = self._agree(lambda: probe_token_ids(self._statuses[0].vocab_size,
+                                                  min(s.max_model_len for s in self._statuses))
                           if self.rank == 0 else None)
         forward = verify if callable(verify) else None
         logprobs, logits_dtype = trainer_logprobs(model, ids, self.device, forward)
 
-        def ask() -> ProbeResult | None:
+        def ask() -> tuple[ProbeResult, str] | None:
             if self.rank != 0:
                 return None
-            assert self.admin is not None
-            tol = tolerance or default_tolerance(getattr(torch, self._status.dtype),
+            assert self.replicas is not None
+            tol = tolerance or default_tolerance(getattr(torch, self._statuses[0].dtype),
                                                  logits_dtype)
-            return self.admin.verify(ProbeRequest(version=outcome.version, token_ids=ids,
-                                                  trainer_logprobs=logprobs, tolerance=tol))
+            req = ProbeRequest(version=outcome.version, token_ids=ids,
+                               trainer_logprobs=logprobs, tolerance=tol)
+            results = self.replicas.all(lambda a, i: a.verify(req), "probe")
+            worst = max(range(len(results)), key=lambda i: (not results[i].passed,
+                                                            results[i].mean_abs_dlogp))
+            return results[worst], self.replicas.urls[worst]
 
-        result: ProbeResult = self._agree(ask)
+        result, where = self._agree(ask)
         outcome.probe = result
         if not result.passed:
             raise WeightMismatchError(
-                f"version {result.version} is served, but its logprobs differ from the "
-                f"trainer's forward pass: mean |dlogp| {result.mean_abs_dlogp:.3g} (max "
+                f"version {result.version} is served, but its logprobs on {where} differ from "
+                f"the trainer's forward pass: mean |dlogp| {result.mean_abs_dlogp:.3g} (max "
                 f"{result.max_abs_dlogp:.3g}) over {result.tokens} probe tokens > tolerance "
                 f"{result.tolerance:.3g}; the server marked it suspect")
 
@@ -295,5 +349,19 @@ class WeightPusher:
         return bool(t.item())
 
     def close(self) -> None:
-        if self.admin is not None:
-            self.admin.close()
+        if self.transport is not None:
+            self.transport.reset()
+        if self.replicas is not None:
+            self.replicas.close()
+
+
+def _same_index(indexes: list[WeightIndex], urls: list[str]) -> WeightIndex:
+    """Every replica must serve the same tensors, or one push cannot fit all."""
+    first = indexes[0].tensors
+    for url, idx in zip(urls[1:], indexes[1:], strict=True):
+        if idx.tensors != first:
+            diff = sorted(set(first) ^ set(idx.tensors)) or sorted(
+                n for n in first if first[n] != idx.tensors[n])
+            raise WeightPushError(f"{url} serves a different model than {urls[0]}: "
+                                  f"tensors differ ({', '.join(diff[:5])})")
+    return indexes[0]

@@ -13,6 +13,8 @@ from rollout_sidecar.client.schema import (
     ConnectRequest,
     ConnectResponse,
     LastPush,
+    PrepareRequest,
+    PrepareResponse,
     ProbeRequest,
     ProbeResult,
     WeightIndex,
@@ -62,8 +64,16 @@ async def bucket(index: int, request: Request, x_push_id: str = Header(...),
     return {"bucket": index, "nbytes": len(data)}
 
 
+@router.post("/prepare", response_model=PrepareResponse)
+async def prepare(body: PrepareRequest, request: Request) -> PrepareResponse:
+    """Phase 1 of a commit across replicas: every bucket arrived and passed its
+    CRC; nothing is loaded. Commit (phase 2) or abort follows."""
+    return await _svc(request).prepare(body)
+
+
 @router.post("/commit", response_model=CommitResponse)
 async def commit(body: CommitRequest, request: Request) -> CommitResponse:
+    """Load the push and serve it: after a prepare, or both phases in one call."""
     return await _svc(request).commit(body)
 
 

@@ -7,7 +7,12 @@ trainer, and a trainer that never joins costs a bounded wait, not a frozen
 engine. The connection is the trainer's for `connection_lease_s` after its last
 push call: another trainer's connect within it is refused with the owner named
 (or takes over with `takeover=true`); once taken over, the old trainer's next
-`begin` is refused, never left to hang on a dead group.
+`begin` is refused, never left to hang on a dead group. The owner itself
+(same `trainer_id`) may reconnect at any time: it rebuilds the group of all
+replicas when one of them restarted.
+
+With several replicas one group spans them all: the trainer names the
+rendezvous store (one replica's), the group size and this server's first rank.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import torch
 
 from rollout_sidecar.client.schema import ConnectRequest, ConnectResponse
-from rollout_sidecar.server.errors import PushConflict
+from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.weights.ops import WORKER_METHOD, SideOp
 
 POLL_S = 0.05
@@ -33,6 +38,7 @@ class Connection:
     id: str
     backend: str
     last_active: float
+    trainer_id: str | None = None
 
 
 class DataPlane:
@@ -70,7 +76,13 @@ class DataPlane:
         """Called with the push lock held, and no push in progress."""
         now = time.monotonic()
         old = self.owner
-        if old is not None and old.id != req.connection_id and not req.takeover:
+        workers = self.llm.vllm_config.parallel_config.world_size_across_dp
+        if req.rank_offset + workers > req.world_size:
+            raise BadRequest(f"rank_offset {req.rank_offset} + this server's {workers} "
+                             f"data-plane ranks exceed world_size {req.world_size}",
+                             "world_size")
+        own = req.trainer_id is not None and old is not None and old.trainer_id == req.trainer_id
+        if old is not None and old.id != req.connection_id and not (req.takeover or own):
             idle = now - old.last_active
             if idle < self.settings.connection_lease_s:
                 left = self.settings.connection_lease_s - idle
@@ -81,10 +93,12 @@ class DataPlane:
         timeout = min(req.timeout_s, self.settings.connect_timeout_max_s)
         host = self.bind_host
         self.owner = None
+        own_store = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         await self.side(SideOp.CONNECT, dict(
-            store_host="127.0.0.1" if host in ("0.0.0.0", "::") else host,
-            store_port=self.port, connection_id=req.connection_id, backend=req.backend,
-            timeout_s=timeout))
+            store_host=req.store_host or own_store, store_port=req.store_port or self.port,
+            connection_id=req.connection_id, backend=req.backend, timeout_s=timeout,
+            world_size=req.world_size, rank_offset=req.rank_offset,
+            staging=self.settings.weight_staging))
         deadline = now + timeout
         while True:  # short RPCs: the engine core schedules generation in between
             conn = (await self.side(SideOp.STATE))["connection"]
@@ -96,11 +110,12 @@ class DataPlane:
                 raise PushConflict(f"connect {req.connection_id}: {why} (is the data-plane "
                                    f"port {self.port} reachable from the trainer?)")
             await asyncio.sleep(POLL_S)
-        if old is not None and old.id != req.connection_id:
+        if old is not None and old.id != req.connection_id and not own:
             self.replaced[old.id] = req.connection_id
             while len(self.replaced) > 64:
                 self.replaced.popitem(last=False)
-        self.owner = Connection(req.connection_id, req.backend, time.monotonic())
+        self.owner = Connection(req.connection_id, req.backend, time.monotonic(),
+                                req.trainer_id)
         return ConnectResponse(connection_id=req.connection_id, backend=req.backend)
 
     def check_owner(self, connection_id: str | None) -> None:

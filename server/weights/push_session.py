@@ -1,13 +1,21 @@
-"""The push state machine: one push at a time, every transition under one lock.
+r"""The push state machine: one push at a time, every transition under one lock.
 
     IDLE --begin--> RECEIVING --commit--> COMMITTING --> IDLE (committed | failed)
-                        |  \--abort / deadline / dead trainer / bad bucket--> IDLE (failed)
+                      |   \--prepare--> VERIFYING --> PREPARED --commit--/
+                      |                     (fails)     \--abort / deadline--> IDLE (failed)
+                      \--abort / deadline / dead trainer / bad bucket--> IDLE (failed)
+
+`prepare` is phase 1 of a commit across replicas: the buckets arrived and
+passed their CRCs, nothing is loaded; the trainer commits (phase 2) only once
+every replica prepared, and aborts them all otherwise.
 
 - `begin` is bound to the connection that carries the data.
 - `commit` is idempotent: a duplicate of a commit in progress waits for it and
   gets the same answer; a commit of a push already ended gets its recorded
   outcome. Nothing else can act on a push once it is COMMITTING: an abort then
   answers 409 with the reason, and the commit finishes.
+- `prepare` is idempotent the same way, and a prepared push gets a new
+  deadline for its phase 2.
 - `abort` is idempotent for a push already aborted or failed.
 - A failure anywhere (pause, receive, verify, load) leaves the state IDLE with
   the reason recorded, and the gate open.
@@ -47,6 +55,8 @@ class PushFailed(Exception):
 class PushState(str, Enum):
     IDLE = "idle"
     RECEIVING = "receiving"
+    VERIFYING = "verifying"
+    PREPARED = "prepared"
     COMMITTING = "committing"
 
 
@@ -60,6 +70,7 @@ class Push:
     state: PushState = PushState.RECEIVING
     outcome: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop()
                                     .create_future())
+    prepared: asyncio.Future | None = None  # set by the first prepare
 
     @property
     def distributed(self) -> bool:
@@ -83,13 +94,14 @@ class PushSession:
         now = time.monotonic()
         return Push(uuid.uuid4().hex, req, policy, now, now + timeout_s)
 
-    def require(self, push_id: str, state: PushState) -> Push:
-        """The current push if it is `push_id` in `state`, else a 409 saying why."""
+    def require(self, push_id: str, *states: PushState) -> Push:
+        """The current push if it is `push_id` in one of `states`, else a 409."""
         p = self.current
-        if p is not None and p.push_id == push_id and p.state is state:
+        if p is not None and p.push_id == push_id and p.state in states:
             return p
         if p is not None and p.push_id == push_id:
-            raise PushConflict(f"push {push_id} is {p.state.value}, not {state.value}")
+            raise PushConflict(f"push {push_id} is {p.state.value}, not "
+                               f"{' or '.join(s.value for s in states)}")
         ended = self.ended.get(push_id)
         if isinstance(ended, CommitResponse):
             raise PushConflict(f"push {push_id} already committed as version "
@@ -135,10 +147,47 @@ class PushSession:
             if p is not None and p.push_id == push_id and p.state is PushState.COMMITTING:
                 pass  # a duplicate: wait for the first one below
             else:
-                p = self.require(push_id, PushState.RECEIVING)
+                p = self.require(push_id, PushState.RECEIVING, PushState.PREPARED)
                 p.state = PushState.COMMITTING
                 asyncio.get_running_loop().create_task(self._run(p, run))
         return _answer(await asyncio.shield(p.outcome))
+
+    async def prepare(self, push_id: str, run: Callable[[Push], Awaitable[None]],
+                      phase2_s: float) -> Push:
+        """Run phase 1 once (RECEIVING -> VERIFYING -> PREPARED); repeats wait
+        for it. A failure ends the push like any other."""
+        async with self.lock:
+            p = self.current
+            if p is None or p.push_id != push_id or p.prepared is None:
+                p = self.require(push_id, PushState.RECEIVING)
+                p.state = PushState.VERIFYING
+                p.prepared = asyncio.get_running_loop().create_future()
+                asyncio.get_running_loop().create_task(self._prepare(p, run, phase2_s))
+            prepared = p.prepared
+        done = await asyncio.shield(asyncio.wait(
+            [prepared, p.outcome], return_when=asyncio.FIRST_COMPLETED))
+        if prepared in done[0] and not p.outcome.done():
+            return p
+        ended = self.ended.get(push_id)
+        if isinstance(ended, LastPush):
+            raise PushConflict(f"push rejected ({ended.outcome}): {ended.reason}")
+        return p  # committed meanwhile: prepared it was
+
+    async def _prepare(self, push: Push, run: Callable[[Push], Awaitable[None]],
+                       phase2_s: float) -> None:
+        try:
+            await run(push)
+        except Exception as e:
+            open_ = e.session_open if isinstance(e, PushFailed) else True
+            async with self.lock:
+                await self.fail(push, str(e), session_open=open_)
+            return
+        async with self.lock:
+            if self.current is push and push.state is PushState.VERIFYING:
+                push.state = PushState.PREPARED
+                push.deadline = time.monotonic() + phase2_s
+            if push.prepared is not None and not push.prepared.done():
+                push.prepared.set_result(True)
 
     async def _run(self, push: Push, run: Callable[[Push], Awaitable[CommitResponse]]) -> None:
         try:

@@ -7,6 +7,10 @@ The commit sequence here is the only place the model changes:
     WAIT (all buckets, CRCs) -> gate shut, drain -> pause -> LOAD -> finish
     -> publish version -> resume -> gate open
 
+With several replicas the trainer splits it in two: `prepare` runs WAIT on
+every replica, and only once all of them prepared does it `commit` (the rest)
+anywhere; one that fails to prepare makes the trainer abort all of them.
+
 A refusal before LOAD's point of no return leaves the old weights serving; a
 failure past it marks the gate broken (503) until a push succeeds.
 """
@@ -30,6 +34,8 @@ from rollout_sidecar.client.schema import (
     ConnectRequest,
     ConnectResponse,
     LastPush,
+    PrepareRequest,
+    PrepareResponse,
     ProbeRequest,
     ProbeResult,
     TensorInfo,
@@ -90,7 +96,8 @@ class WeightService:
             push_state=self.session.state.value, push_in_progress=p is not None,
             push_id=p.push_id if p else None,
             connected=self.plane.owner.id if self.plane.owner else None,
-            data_plane_port=self.plane.port, transports=TRANSPORTS,
+            data_plane_port=self.plane.port, data_plane_ranks=self.engine.info.workers,
+            transports=TRANSPORTS,
             push_timeout_s=self.settings.push_timeout_s,
             commit_drain_s=self.settings.commit_drain_s, last_push=self.session.last,
             last_probe=self.last_probe, suspect=gate.suspect.get(gate.version),
@@ -144,13 +151,17 @@ class WeightService:
         while True:
             await asyncio.sleep(WATCH_S)
             async with self.session.lock:
-                if self.session.current is not push or push.state is not PushState.RECEIVING:
+                if self.session.current is not push or push.state is PushState.COMMITTING:
                     return
+                if push.state is PushState.VERIFYING:  # bounded by the WAIT op's timeout
+                    continue
                 if time.monotonic() > push.deadline:
+                    phase = "prepared, but not committed" if push.state is PushState.PREPARED \
+                        else "not committed"
                     await self.session.fail(push, f"deadline of {self.settings.push_timeout_s:.0f}"
-                                            "s passed before the commit")
+                                            f"s passed: {phase}")
                     return
-                if push.distributed:
+                if push.distributed and push.state is PushState.RECEIVING:
                     state = await self.plane.side(SideOp.STATE)
                     if state["receive"] == "failed":
                         await self.session.fail(push, f"receive failed: {state['receive_error']}")
@@ -173,17 +184,32 @@ class WeightService:
 
     # ------------------------------------------------------- commit, abort
 
-    async def commit(self, req: CommitRequest) -> CommitResponse:
-        return await self.session.commit(req.push_id, lambda p: self._commit(p, req.checksums))
-
-    async def _commit(self, push: Push, checksums: list[int]) -> CommitResponse:
+    async def prepare(self, req: PrepareRequest) -> PrepareResponse:
         t0 = time.monotonic()
+        push = await self.session.prepare(req.push_id, lambda p: self._verify(p, req.checksums),
+                                          self.settings.push_timeout_s)
+        return PrepareResponse(push_id=push.push_id, deadline_s=self.settings.push_timeout_s,
+                               timings={"verify_s": time.monotonic() - t0})
+
+    async def _verify(self, push: Push, checksums: list[int]) -> None:
+        """Every bucket arrived and matches its CRC; nothing is loaded."""
         try:
             await self._op(WorkerOp.WAIT, checksums=checksums,
                            timeout_s=max(0.0, push.deadline - time.monotonic()))
         except Exception as e:
             raise PushFailed(f"push rejected, version {self.engine.gate.version} still "
                              f"serving: {e}") from e
+
+    async def commit(self, req: CommitRequest) -> CommitResponse:
+        return await self.session.commit(req.push_id, lambda p: self._commit(p, req.checksums))
+
+    async def _commit(self, push: Push, checksums: list[int] | None) -> CommitResponse:
+        t0 = time.monotonic()
+        if push.prepared is None:  # one call does both phases
+            if checksums is None:
+                raise PushFailed("commit of a push that was not prepared needs checksums",
+                                 session_open=True)
+            await self._verify(push, checksums)
         t_verified = time.monotonic()
         gate = self.engine.gate
         async with gate.commit_window(push.policy, self.settings.commit_drain_s) as mode:
@@ -230,7 +256,7 @@ class WeightService:
             ended = self.session.ended.get(push_id)
             if isinstance(ended, LastPush):
                 return ended  # aborting twice is fine
-            push = self.session.require(push_id, PushState.RECEIVING)
+            push = self.session.require(push_id, PushState.RECEIVING, PushState.PREPARED)
             await self.session.fail(push, reason, outcome="aborted")
             return self.session.last
 

@@ -30,7 +30,11 @@ from rollout_sidecar.server.weights.fault_injection import apply_test_faults, cr
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.reload import load_all_or_nothing
 from rollout_sidecar.server.weights.staging import Staging, crc32
-from rollout_sidecar.trainer.transport.pair_group import SERVER_RANK, TRAINER_RANK, pair_group
+from rollout_sidecar.trainer.transport.broadcast_group import (
+    TRAINER_RANK,
+    broadcast_group,
+    close_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,9 @@ class StagedInitInfo(WeightTransferInitInfo):
     connection_id: str
     backend: str = "gloo"
     timeout_s: float = 300.0
+    world_size: int = 2
+    rank_offset: int = 1
+    staging: str = "auto"  # NCCL only: "device" stages in GPU memory, else pinned host
 
 
 @dataclass
@@ -55,19 +62,20 @@ class StagedUpdateInfo(WeightTransferUpdateInfo):
 
 
 class _Joiner(threading.Thread):
-    """Joins the trainer's group; blocks until the trainer does, or times out."""
+    """Joins the trainer's group; blocks until every rank does, or times out."""
 
-    def __init__(self, info: StagedInitInfo) -> None:
+    def __init__(self, info: StagedInitInfo, worker_rank: int) -> None:
         super().__init__(daemon=True, name="rollout-sidecar-connect")
         self.info = info
+        self.rank = info.rank_offset + worker_rank
         self.group: Any = None
         self.error: str | None = None
 
     def run(self) -> None:
         i = self.info
         try:
-            self.group = pair_group(i.store_host, i.store_port, i.connection_id, SERVER_RANK,
-                                    i.backend, i.timeout_s)
+            self.group = broadcast_group(i.store_host, i.store_port, i.connection_id,
+                                         self.rank, i.world_size, i.backend, i.timeout_s)
         except BaseException as e:  # reported through SideOp.STATE
             self.error = f"{type(e).__name__}: {e}"
 
@@ -114,8 +122,14 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     def init_transfer_engine(self, init_info: StagedInitInfo) -> None:
         """Start joining the trainer's group and return at once."""
         self.shutdown()
-        self._joiner = _Joiner(init_info)
+        self._joiner = _Joiner(init_info, self._worker_rank())
         self._joiner.start()
+
+    def _worker_rank(self) -> int:
+        # vLLM's numbering (nccl_common.worker_init_process_group): unique
+        # across data-parallel groups, TP x PP ranks within each.
+        pc = self.parallel_config
+        return pc.data_parallel_index * pc.world_size + pc.rank
 
     @property
     def group(self) -> Any:
@@ -128,6 +142,13 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     def shutdown(self) -> None:
         # A joiner still blocked in the rendezvous ends by its own timeout.
         self._join_receiver(timeout=1.0)
+        self._drop_group()
+
+    def _drop_group(self) -> None:
+        # Aborted, not left to the garbage collector: a receive still blocked
+        # on a dead trainer returns at once, and no gloo thread outlives it.
+        if self._joiner is not None:
+            close_group(self._joiner.group)
         self._joiner = None
 
     # ------------------------------------------------------------------ session
@@ -183,18 +204,29 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     # ---------------------------------------------------------------- internals
 
     def _staging_device(self) -> torch.device:
-        # gloo moves host memory; NCCL needs device buffers.
-        return self.device if self.backend == "nccl" else torch.device("cpu")
+        # gloo moves host memory. NCCL receives into device memory, but a full
+        # staged copy there sits outside vLLM's memory budget, so by default it
+        # goes through a one-bucket device buffer into pinned host memory.
+        if self.backend == "nccl" and self._joiner.info.staging == "device":
+            return self.device
+        return torch.device("cpu")
 
     def _receive_all(self) -> None:
         try:
             pending = None
+            bounce = None
+            if self.backend == "nccl" and self.staging.buckets[0].buffer.is_cpu:
+                size = max(b.nbytes for b in self.staging.buckets)
+                bounce = torch.empty(size, dtype=torch.uint8, device=self.device)
             for b in self.staging.buckets:
-                work = self.group.recv([b.buffer], TRAINER_RANK, b.index)
+                target = b.buffer if bounce is None else bounce[: b.nbytes]
+                work = self.group.broadcast(target, TRAINER_RANK)
                 # Checksum the previous bucket while this one arrives.
                 if pending is not None:
                     pending.checksum = crc32(pending.buffer) if pending.buffer.is_cpu else None
                 work.wait()
+                if bounce is not None:
+                    b.buffer.copy_(target)  # synchronous: the next broadcast reuses it
                 b.received = True
                 pending = b
             if pending is not None and pending.buffer.is_cpu:
@@ -227,7 +259,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             self.staging.release()
         else:
             self.staging.drop_pool()
-            self._joiner = None
+            self._drop_group()
 
     def _join_receiver(self, timeout: float) -> bool:
         if self._receiver is None:

@@ -46,6 +46,7 @@ class CapturingServer:
         self.index_ = WeightIndex(tensors={n: TensorInfo(shape=list(t.shape), dtype="bfloat16")
                                            for n, t in checkpoint.items()},
                                   ignored=[], tie_word_embeddings=False)
+        self.base_url = "http://capturing"
         self.buckets: dict[int, bytes] = {}
         self.manifest: list[dict] = []
         self.aborted: str | None = None
@@ -66,10 +67,15 @@ class CapturingServer:
         assert zlib.crc32(data) == checksum
         self.buckets[index] = data
 
+    def prepare(self, push_id, checksums, timeout_s):  # noqa: ANN001, ANN201
+        from rollout_sidecar.client.schema import PrepareResponse
+
+        assert [zlib.crc32(self.buckets[i]) for i in range(len(checksums))] == checksums
+        return PrepareResponse(push_id=push_id, deadline_s=60, timings={})
+
     def commit(self, push_id, checksums, timeout_s):  # noqa: ANN001, ANN201
         from rollout_sidecar.client.schema import CommitResponse
 
-        assert [zlib.crc32(self.buckets[i]) for i in range(len(checksums))] == checksums
         return CommitResponse(weight_version=1, push_id=push_id, commit_policy="wait",
                               timings={})
 
@@ -110,7 +116,9 @@ def _pusher(server: CapturingServer):  # noqa: ANN202
     from rollout_sidecar.trainer.transport.http import HttpTransport
 
     pusher = WeightPusher("http://unused", transport="http", verify=False, bucket_mb=0.25)
-    pusher.admin, pusher.transport = server, HttpTransport(server)
+    pusher.replicas.admins = [server]
+    pusher.replicas.refresh = lambda: False
+    pusher.transport = HttpTransport(pusher.replicas)
     return pusher
 
 

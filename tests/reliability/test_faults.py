@@ -102,11 +102,12 @@ def _racing(server, race):
     checksums)` in a thread alongside it; `seen` gets both outcomes."""
     pusher = WeightPusher(server.url, admin_token=server.admin_token, transport="http",
                           bucket_mb=1, verify=False)
-    real_commit, seen = pusher.admin.commit, {}
+    admin_client = pusher.replicas.admins[0]
+    real_commit, seen = admin_client.commit, {}
 
     def commit(push_id, checksums, timeout_s):
         t = threading.Thread(target=lambda: seen.__setitem__(
-            "race", race(pusher.admin, real_commit, push_id, checksums)))
+            "race", race(admin_client, real_commit, push_id, checksums)))
         t.start()
         try:
             seen["commit"] = real_commit(push_id, checksums, timeout_s)
@@ -117,7 +118,7 @@ def _racing(server, race):
         finally:
             t.join(60)
 
-    pusher.admin.commit = commit
+    admin_client.commit = commit
     return pusher, seen
 
 

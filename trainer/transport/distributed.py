@@ -1,14 +1,16 @@
 """Bucket bytes over torch.distributed: gloo on CPU, NCCL on GPU.
 
-A two-rank group of its own (trainer rank 0 = sender, the vLLM worker = 1),
-rendezvoused through the server's TCPStore, so it never touches the trainer's
-FSDP process group. Sends are asynchronous; the pusher waits on a bucket's
-send only before reusing its buffer. The group's timeout is the server's push
-deadline, so a dead server raises on this side as well.
+One group of its own: trainer rank 0 (the sender) plus every worker of every
+replica, rendezvoused through the first replica's TCPStore, so it never
+touches the trainer's FSDP process group. Each bucket is broadcast once from
+rank 0, however many replicas listen. Sends are asynchronous; the pusher
+waits on a bucket's send only before reusing its buffer. The group's timeout
+is the servers' push deadline, so a dead server raises on this side as well.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import uuid
 from typing import Any
@@ -16,25 +18,32 @@ from urllib.parse import urlparse
 
 import torch
 
-from rollout_sidecar.trainer.admin_client import WeightAdminClient, WeightPushError
-from rollout_sidecar.trainer.transport.pair_group import SERVER_RANK, TRAINER_RANK, pair_group
+from rollout_sidecar.trainer.admin_client import WeightPushError
+from rollout_sidecar.trainer.replica_set import ReplicaSet
+from rollout_sidecar.trainer.transport.broadcast_group import (
+    TRAINER_RANK,
+    broadcast_group,
+    close_group,
+)
 
 
 class DistributedTransport:
     name = "gloo"
     checksum_in_request = False  # the CRCs go with the commit
 
-    def __init__(self, admin: WeightAdminClient, backend: str = "gloo",
+    def __init__(self, replicas: ReplicaSet, backend: str = "gloo",
                  data_plane_host: str | None = None, takeover: bool = False,
                  lease_wait_s: float = 60.0) -> None:
-        self.admin = admin
+        self.replicas = replicas
         self.backend = backend
         self.name = backend
-        self.host = data_plane_host or urlparse(admin.base_url).hostname or "127.0.0.1"
+        self.data_plane_host = data_plane_host
         self.takeover = takeover
         self.lease_wait_s = lease_wait_s
+        self.trainer_id = uuid.uuid4().hex[:12]
         self.group: Any = None
         self.connection_id: str | None = None
+        atexit.register(self.reset)  # never leave a live group to interpreter teardown
 
     @property
     def buffer_device(self) -> torch.device:
@@ -42,50 +51,52 @@ class DistributedTransport:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def ensure_connected(self, status: Any) -> None:
-        """(Re)build the group if the server does not hold ours (first push,
-        a failed one, which drops the group on both sides, or a restart)."""
-        if self.group is not None and status.connected == self.connection_id:
+    def ensure_connected(self, statuses: list[Any]) -> None:
+        """(Re)build the group unless every replica holds ours: first push, a
+        failed one (which drops the group on both sides), or a replica that
+        restarted or joined. Every replica reconnects then: a group's members
+        are fixed when it forms."""
+        if self.group is not None and all(s.connected == self.connection_id for s in statuses):
             return
-        self.group = None
+        self.reset()
         conn_id = self.connection_id = uuid.uuid4().hex[:12]
-        timeout_s = status.push_timeout_s
-        # The server's /weights/connect returns only once both sides joined the
-        # group, so the two run side by side; a refused connect (another
-        # trainer owns the plane) fails at once instead of waiting out the join.
+        timeout_s = max(s.push_timeout_s for s in statuses)
+        offsets = [1]
+        for s in statuses:
+            offsets.append(offsets[-1] + s.data_plane_ranks)
+        world = offsets[-1]
+        # The first replica hosts the rendezvous; the others meet there.
+        store_host = self.data_plane_host or urlparse(self.replicas.urls[0]).hostname \
+            or "127.0.0.1"
+        store_port = statuses[0].data_plane_port
         out: dict[str, Any] = {}
-
-        def call_connect() -> None:
-            try:
-                self.admin.connect(conn_id, self.backend, timeout_s, self.takeover,
-                                   self.lease_wait_s)
-            except BaseException as e:
-                out["connect_error"] = e
 
         def join() -> None:
             try:
-                out["group"] = pair_group(self.host, status.data_plane_port, conn_id,
-                                          TRAINER_RANK, self.backend, timeout_s)
+                out["group"] = broadcast_group(store_host, store_port, conn_id, TRAINER_RANK,
+                                               world, self.backend, timeout_s)
             except BaseException as e:
                 out["join_error"] = e
 
-        connecting = threading.Thread(target=call_connect, daemon=True)
+        # Each server's /weights/connect returns once the whole group formed,
+        # so all of them and our own join run side by side; a refused connect
+        # (another trainer owns a replica) fails at once.
         joining = threading.Thread(target=join, daemon=True)
-        connecting.start()
         joining.start()
-        connecting.join()  # bounded: the server caps the connect, the client times out
-        if "connect_error" in out:  # an abandoned join ends by its own timeout
-            raise WeightPushError(f"connect failed: {out['connect_error']}"
-                                  ) from out["connect_error"]
+        self.replicas.all(lambda admin, i: admin.connect(
+            conn_id, self.backend, timeout_s, self.takeover, self.lease_wait_s,
+            trainer_id=self.trainer_id, world_size=world, rank_offset=offsets[i],
+            store=None if i == 0 else (store_host, store_port)), "connect")
         joining.join(timeout_s)
-        if "group" not in out:
+        if "group" not in out:  # an abandoned join ends by its own timeout
             e = out.get("join_error")
-            raise WeightPushError(f"data plane {self.host}:{status.data_plane_port}: "
+            raise WeightPushError(f"data plane {store_host}:{store_port}: "
                                   f"{e or 'join did not finish'}") from e
         self.group = out["group"]
 
-    def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int | None) -> Any:
-        return self.group.send([buf], SERVER_RANK, index)
+    def send(self, index: int, buf: torch.Tensor, push_id: Any, checksum: int | None) -> Any:
+        return self.group.broadcast(buf, TRAINER_RANK)
 
     def reset(self) -> None:
-        self.group = None
+        group, self.group = self.group, None
+        close_group(group)

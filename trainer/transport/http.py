@@ -1,6 +1,7 @@
 """Bucket bytes as HTTP request bodies: for clusters where only the HTTP port
 is open between trainer and server. Slower than gloo (an extra copy through
-the API process), but needs nothing beyond the control plane."""
+the API process, and one upload per replica), but needs nothing beyond the
+control plane."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.trainer.admin_client import WeightAdminClient
+from rollout_sidecar.trainer.replica_set import ReplicaSet
 
 
 class _Done:
@@ -20,17 +21,20 @@ class HttpTransport:
     name = "http"
     buffer_device = torch.device("cpu")
     checksum_in_request = True  # sent as the X-Checksum header of each bucket
-
-    def __init__(self, admin: WeightAdminClient) -> None:
-        self.admin = admin
-
     connection_id = None
 
-    def ensure_connected(self, status: object) -> None:
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.replicas = replicas
+
+    def ensure_connected(self, statuses: list[Any]) -> None:
         pass
 
-    def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int | None) -> Any:
-        self.admin.put_bucket(push_id, index, memoryview(buf.numpy()).tobytes(), checksum)
+    def send(self, index: int, buf: torch.Tensor, push_id: list[str], checksum: int | None
+             ) -> Any:
+        """`push_id`: each replica's id of this push, in replica order."""
+        data = memoryview(buf.numpy()).tobytes()
+        self.replicas.all(lambda admin, i: admin.put_bucket(push_id[i], index, data, checksum),
+                          f"bucket {index}")
         return _Done()
 
     def reset(self) -> None:
