@@ -80,6 +80,13 @@ def chart() -> Iterator[Any]:
         yield loaded
 
 
+def _merge_layers(layers: tuple[dict[str, Any], ...], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for layer in (*layers, overrides):
+        merged = _deep_merge(merged, layer)
+    return merged
+
+
 @pytest.fixture(scope="session")
 def render(chart: Any) -> Render:
     """render(*values, **overrides) -> objects: the values deep-merged in order, as repeated
@@ -88,21 +95,32 @@ def render(chart: Any) -> Render:
     """
 
     def _render(*layers: dict[str, Any], **overrides: Any) -> list[Manifest]:
-        merged: dict[str, Any] = {}
-        for layer in (*layers, overrides):
-            merged = _deep_merge(merged, layer)
+        merged = _merge_layers(layers, overrides)
         return parse_manifests(chart.render(merged, name=RELEASE, namespace=NAMESPACE))
 
     return _render
 
 
 @pytest.fixture(scope="session")
-def render_chart() -> Callable[[Path], list[Manifest]]:
-    """Render another chart directory (e.g. a user's chart depending on this one)."""
+def render_notes(chart: Any) -> Callable[..., str]:
+    """render_notes(*values, **overrides) -> the NOTES.txt `helm install` prints."""
+
+    def _render(*layers: dict[str, Any], **overrides: Any) -> str:
+        rendered = chart.render(_merge_layers(layers, overrides), name=RELEASE, namespace=NAMESPACE)
+        (notes,) = [text for path, text in rendered.items() if path.endswith("/NOTES.txt")]
+        return notes
+
+    return _render
+
+
+@pytest.fixture(scope="session")
+def render_chart() -> Callable[..., list[Manifest]]:
+    """Render another chart directory (e.g. a user's chart depending on this one), optionally
+    with values on top of its own."""
     import helm_python
 
-    def _render(path: Path) -> list[Manifest]:
+    def _render(path: Path, values: dict[str, Any] | None = None) -> list[Manifest]:
         with helm_python.Chart.load(path) as loaded:
-            return parse_manifests(loaded.render(name=RELEASE, namespace=NAMESPACE))
+            return parse_manifests(loaded.render(values, name=RELEASE, namespace=NAMESPACE))
 
     return _render

@@ -152,6 +152,51 @@ def test_service_mode_objects(render) -> None:
     assert headless["spec"]["publishNotReadyAddresses"] is True
 
 
+def test_replicas_found_through_the_headless_service(render, render_notes) -> None:
+    manifests = render(replicaCount=3)
+    validate_all(manifests)
+    deployment = one(manifests, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    (headless,) = [s for s in objects(manifests, "Service") if s["spec"].get("clusterIP")]
+    (service,) = [s for s in objects(manifests, "Service") if s is not headless]
+    name = headless["metadata"]["name"]
+    assert name == f"{service['metadata']['name']}-headless" == "rs-rollout-sidecar-headless"
+    assert headless["spec"]["clusterIP"] == "None"  # DNS answers with every pod address
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    assert labels_match(headless["spec"]["selector"], pod_labels)
+    # A dns+ URL carries the pod's port: the headless port must be the container's.
+    (http,) = [p for p in headless["spec"]["ports"] if p["name"] == "http"]
+    container_ports = {p["name"]: p["containerPort"] for p in server_container(manifests)["ports"]}
+    assert http["port"] == container_ports["http"] == 8000
+    # What `helm install` prints tells trainers and rollout workers which URL to use.
+    notes = render_notes(replicaCount=3)
+    assert "3 replica(s)" in notes
+    namespace = r"\.[a-z0-9-]+"  # the release's
+    assert re.search(rf"ROLLOUT_SIDECAR_URL=dns\+http://{name}{namespace}:8000\n", notes)
+    assert re.search(
+        rf"ROLLOUT_SIDECAR_URL=http://{service['metadata']['name']}{namespace}:8000\n", notes
+    )
+    assert "32768-60999" in notes and 'value: "32768 60999"' in notes
+    assert "nodes' own ephemeral range" in render_notes(dataPlane={"setSysctl": False})
+
+
+def test_pod_disruption_budget(render) -> None:
+    assert not objects(render(replicaCount=3), "PodDisruptionBudget")  # opt-in
+    manifests = render(replicaCount=3, podDisruptionBudget={"enabled": True})
+    validate_all(manifests)
+    budget = one(manifests, "PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1 and "minAvailable" not in budget["spec"]
+    pod_labels = one(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert labels_match(budget["spec"]["selector"]["matchLabels"], pod_labels)
+    percent = render(podDisruptionBudget={"enabled": True, "maxUnavailable": "25%"})
+    assert one(percent, "PodDisruptionBudget")["spec"]["maxUnavailable"] == "25%"
+    # The sidecar Job's pod is not a replica of anything.
+    assert not objects(
+        render(SIDECAR, podDisruptionBudget={"enabled": True}), "PodDisruptionBudget"
+    )
+
+
 def test_probes_ports_and_startup_budget(render) -> None:
     server = server_container(render())
     ports = {p["name"]: p["containerPort"] for p in server["ports"]}
@@ -281,21 +326,47 @@ def test_no_secret_means_no_token_env(render) -> None:
 # ---- NetworkPolicy -------------------------------------------------------------------------
 
 
-def ingress_by_port(policy: dict) -> dict[str, list[dict]]:
-    rules: dict[str, list[dict]] = {}
+def ingress_by_port(policy: dict) -> dict[str | int | tuple[int, int], list[dict]]:
+    """Peers by port: a named or single port as is, a range (port..endPort) as a tuple."""
+    rules: dict[str | int | tuple[int, int], list[dict]] = {}
     for rule in policy["spec"]["ingress"]:
         assert rule.get("ports"), "a rule without ports would open every port"
         for port in rule["ports"]:
-            rules.setdefault(port["port"], []).extend(rule["from"])
+            assert port["protocol"] == "TCP"  # gloo, NCCL, the TCPStore and HTTP all are
+            key = (port["port"], port["endPort"]) if "endPort" in port else port["port"]
+            rules.setdefault(key, []).extend(rule["from"])
     return rules
 
 
-@pytest.mark.parametrize("ci_name", ["service-default", "service-gpu-pvc"])
-def test_network_policy_admits_trainers_to_data_plane_only(ci_name: str, render, ci_values):
+def port_range_sysctl(pod: dict) -> tuple[int, int] | None:
+    """The pod's net.ipv4.ip_local_port_range as (first, last), None when it sets none."""
+    sysctls = [
+        s["value"]
+        for s in pod.get("securityContext", {}).get("sysctls", [])
+        if s["name"] == "net.ipv4.ip_local_port_range"
+    ]
+    if not sysctls:
+        return None
+    (value,) = sysctls
+    first, last = (int(part) for part in value.split())
+    return first, last
+
+
+def validate_all(manifests: list[dict]) -> None:
+    for manifest in manifests:
+        for kube_version in KUBE_VERSIONS:
+            kubernetes_validate.validate(manifest, kube_version, strict=True)
+
+
+@pytest.mark.parametrize("ci_name", ["service-default", "service-gpu-pvc", "service-replicas"])
+def test_network_policy_admits_trainers_and_peers_to_data_plane_only(
+    ci_name: str, render, ci_values
+) -> None:
     values = ci_values[ci_name]
     manifests = render(values)
     policy = one(manifests, "NetworkPolicy")
-    pod_labels = one(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    pod = one(manifests, "Deployment")["spec"]["template"]
+    pod_labels = pod["metadata"]["labels"]
     assert labels_match(policy["spec"]["podSelector"]["matchLabels"], pod_labels)
     net = values.get("networkPolicy", {})
     # Configured trainer labels replace the default rather than being merged with it.
@@ -303,10 +374,54 @@ def test_network_policy_admits_trainers_to_data_plane_only(ci_name: str, render,
     trainer: dict[str, Any] = {"podSelector": {"matchLabels": trainer_labels}}
     if net.get("trainerNamespaceLabels"):
         trainer["namespaceSelector"] = {"matchLabels": net["trainerNamespaceLabels"]}
+    span = values.get("dataPlane", {}).get("portRange", {})
+    port_range = (span.get("start", 32768), span.get("end", 60999))
     rules = ingress_by_port(policy)
-    assert set(rules) == {"http", "data-plane"}
-    assert rules["data-plane"] == [trainer]
+    assert set(rules) == {"http", "data-plane", port_range}
+    # The other replicas are ranks of the same group: the store and the gloo/NCCL range admit
+    # them, from this namespace only (no namespaceSelector), and they match the server pods.
+    (peer,) = [p for p in rules["data-plane"] if p != trainer]
+    assert set(peer) == {"podSelector"}
+    assert labels_match(peer["podSelector"]["matchLabels"], pod_labels)
+    assert not labels_match(peer["podSelector"]["matchLabels"], trainer_labels)
+    assert rules["data-plane"] == rules[port_range] == [trainer, peer]
+    # The range the policy admits is the range the kernel hands out in the server pods.
+    assert port_range_sysctl(pod["spec"]) == port_range
+    # HTTP: trainers and the configured clients, not every replica.
     assert rules["http"] == [trainer, *net.get("httpClients", [])]
+
+
+def test_port_range_follows_values(render) -> None:
+    manifests = render(dataPlane={"portRange": {"start": 40000, "end": 40999}})
+    validate_all(manifests)
+    rules = ingress_by_port(one(manifests, "NetworkPolicy"))
+    assert (40000, 40999) in rules and (32768, 60999) not in rules
+    (pod,) = pod_specs(manifests)
+    assert port_range_sysctl(pod) == (40000, 40999)
+
+
+@pytest.mark.parametrize("mode", ["service", "sidecar"])
+def test_port_range_sysctl_on_server_pods_switchable(mode: str, render) -> None:
+    base = SIDECAR if mode == "sidecar" else {}
+    manifests = render(base)
+    (pod,) = pod_specs(manifests)  # the Deployment's server pod, or the sidecar Job's pod
+    assert port_range_sysctl(pod) == (32768, 60999)
+    # Set beside, not instead of, the pod security context.
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["fsGroup"] == 1000
+
+    # Where sysctls are refused, the range must be the nodes' own: no sysctl at all then.
+    (pod,) = pod_specs(render(base, dataPlane={"setSysctl": False}))
+    assert "sysctls" not in pod["securityContext"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+    # A user's own (other) sysctls are kept, the range added to them.
+    keepalive = {"name": "net.ipv4.tcp_keepalive_time", "value": "600"}
+    manifests = render(base, podSecurityContext={"sysctls": [keepalive]})
+    validate_all(manifests)
+    (pod,) = pod_specs(manifests)
+    assert pod["securityContext"]["sysctls"][0] == keepalive
+    assert port_range_sysctl(pod) == (32768, 60999)
 
 
 def test_network_policy_off_when_disabled(render) -> None:
@@ -384,6 +499,58 @@ def test_named_templates_from_a_users_chart(tmp_path: Path, chart_dir: Path, ren
     admin = env(trainer)["ROLLOUT_SIDECAR_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert admin["name"] == "rollout-sidecar-tokens"
     assert {"name": SHM_VOLUME, "mountPath": "/dev/shm"} in trainer["volumeMounts"]
+    assert port_range_sysctl(pod) == (32768, 60999)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_users_chart_trainer_finds_every_service_replica(
+    tmp_path: Path, chart_dir: Path, render_chart
+) -> None:
+    """The same example with the subchart in service mode: the Job is the trainer alone and
+    reaches every replica through the headless Service, inside the policy's port range."""
+    user_chart = tmp_path / "trainer-job"
+    example = chart_dir.parent / "examples" / "trainer-job"
+    shutil.copytree(example, user_chart, ignore=shutil.ignore_patterns("charts"))
+    shutil.copytree(chart_dir, user_chart / "charts" / "rollout-sidecar")
+    span = {"start": 45000, "end": 45999}
+    manifests = render_chart(
+        user_chart,
+        {
+            "rollout-sidecar": {
+                "mode": "service",
+                "replicaCount": 3,
+                "dataPlane": {"portRange": span},
+            }
+        },
+    )
+    validate_all(manifests)
+    assert sorted(m["kind"] for m in manifests) == [
+        "Deployment",
+        "Job",
+        "NetworkPolicy",
+        "Service",
+        "Service",
+    ]
+    assert one(manifests, "Deployment")["spec"]["replicas"] == 3
+    job = one(manifests, "Job")
+    pod = job["spec"]["template"]["spec"]
+    assert "initContainers" not in pod and "volumes" not in pod  # no server in this pod
+    (trainer,) = pod["containers"]
+    (headless,) = [s for s in objects(manifests, "Service") if s["spec"].get("clusterIP")]
+    (http,) = [p for p in headless["spec"]["ports"] if p["name"] == "http"]
+    url = f"dns+http://{headless['metadata']['name']}:{http['port']}"
+    assert env(trainer)["ROLLOUT_SIDECAR_URL"]["value"] == url
+    assert url == "dns+http://rs-rollout-sidecar-headless:8000"
+    # Trainer rank 0 listens in the same range the server pods use and admit it on.
+    assert port_range_sysctl(pod) == (45000, 45999)
+    rules = ingress_by_port(one(manifests, "NetworkPolicy"))
+    job_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert any(
+        labels_match(p["podSelector"]["matchLabels"], job_labels) for p in rules[(45000, 45999)]
+    )
+    # With the sysctl off, the trainer pod sets none either.
+    off = render_chart(user_chart, {"rollout-sidecar": {"dataPlane": {"setSysctl": False}}})
+    assert "sysctls" not in one(off, "Job")["spec"]["template"]["spec"]["securityContext"]
 
 
 # ---- documentation -------------------------------------------------------------------------

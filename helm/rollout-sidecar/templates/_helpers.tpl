@@ -70,6 +70,25 @@ app.kubernetes.io/component: training-job
 {{- if eq (int .Values.server.port) (int .Values.server.dataPlanePort) }}
 {{- fail "server.dataPlanePort must differ from server.port: they are two listeners in one pod" }}
 {{- end }}
+{{- $range := .Values.dataPlane.portRange }}
+{{- if gt (int $range.start) (int $range.end) }}
+{{- fail (printf "dataPlane.portRange.start (%d) must not exceed dataPlane.portRange.end (%d)" (int $range.start) (int $range.end)) }}
+{{- end }}
+{{- /* A fixed port inside the ephemeral range could be taken by an ephemeral bind before the
+server binds it, and the policy's range rule would open it to every data-plane peer. */}}
+{{- range $key := list "port" "dataPlanePort" }}
+{{- $port := int (index $.Values.server $key) }}
+{{- if and (ge $port (int $range.start)) (le $port (int $range.end)) }}
+{{- fail (printf "server.%s (%d) must lie outside dataPlane.portRange (%d-%d): the kernel hands out that range as ephemeral ports" $key $port (int $range.start) (int $range.end)) }}
+{{- end }}
+{{- end }}
+{{- if .Values.dataPlane.setSysctl }}
+{{- range (default list .Values.podSecurityContext.sysctls) }}
+{{- if eq .name "net.ipv4.ip_local_port_range" }}
+{{- fail "podSecurityContext.sysctls sets net.ipv4.ip_local_port_range: set dataPlane.portRange instead (or dataPlane.setSysctl: false)" }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and .Values.auth.create .Values.auth.apiToken (eq .Values.auth.apiToken .Values.auth.adminToken) }}
 {{- fail "auth.adminToken must differ from auth.apiToken: the server refuses to start otherwise" }}
 {{- end }}
@@ -86,7 +105,11 @@ automountServiceAccountToken: false
 {{- with .Values.serviceAccountName }}
 serviceAccountName: {{ . }}
 {{- end }}
-{{- with .Values.podSecurityContext }}
+{{- $securityContext := deepCopy (default dict .Values.podSecurityContext) }}
+{{- with include "rollout-sidecar.sysctls" . | fromYamlArray }}
+{{- $_ := set $securityContext "sysctls" (concat (default list $securityContext.sysctls) .) }}
+{{- end }}
+{{- with $securityContext }}
 securityContext:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -125,4 +148,21 @@ networkPolicy.trainerPodLabels replaces it instead of being merged with it.
 */}}
 {{- define "rollout-sidecar.trainerPodLabels" -}}
 {{- toYaml (default (dict "rollout-sidecar/role" "trainer") .Values.networkPolicy.trainerPodLabels) }}
+{{- end }}
+
+{{/*
+Pod sysctls, as items for `securityContext.sysctls:`: the kernel's ephemeral port range pinned
+to dataPlane.portRange, so the ports gloo/NCCL listen on are ports the NetworkPolicy admits.
+Empty with dataPlane.setSysctl false. Public: trainer pods of your own charts use it too.
+*/}}
+{{- define "rollout-sidecar.sysctls" -}}
+{{- if .Values.dataPlane.setSysctl -}}
+- name: net.ipv4.ip_local_port_range
+  value: {{ printf "%d %d" (int .Values.dataPlane.portRange.start) (int .Values.dataPlane.portRange.end) | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The server replicas' headless Service: every pod, ready or not. */}}
+{{- define "rollout-sidecar.headlessName" -}}
+{{- printf "%s-headless" (include "rollout-sidecar.fullname" .) }}
 {{- end }}

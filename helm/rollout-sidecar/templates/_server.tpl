@@ -7,7 +7,10 @@ Public named templates, each rendering YAML list items; call them with this char
   rollout-sidecar.sidecarContainer  under `initContainers:`: the server as a native sidecar
   rollout-sidecar.volumes           under `volumes:`: shm, cache and (pvc source) the model
   rollout-sidecar.clientEnv         under the trainer's `env:`: URL and token secretKeyRefs
+                                    (sidecar mode: localhost; service mode: the dns+ headless URL)
   rollout-sidecar.shmVolumeMount    under the trainer's `volumeMounts:`: the shared /dev/shm
+  rollout-sidecar.sysctls           under the pod's `securityContext.sysctls:`: the ephemeral
+                                    port range (defined in _helpers.tpl)
 */}}
 
 {{- define "rollout-sidecar.sidecarContainer" -}}
@@ -168,9 +171,17 @@ resources:
 {{- end }}
 {{- end }}
 
+{{/*
+Sidecar mode: the server in the same pod. Service mode: every replica, ready or not, through
+the headless Service; `dns+` makes the client and pusher resolve the name to each pod address.
+*/}}
 {{- define "rollout-sidecar.clientEnv" -}}
 - name: ROLLOUT_SIDECAR_URL
+  {{- if eq .Values.mode "sidecar" }}
   value: {{ printf "http://localhost:%d" (int .Values.server.port) | quote }}
+  {{- else }}
+  value: {{ printf "dns+http://%s:%d" (include "rollout-sidecar.headlessName" .) (int .Values.server.port) | quote }}
+  {{- end }}
 {{ include "rollout-sidecar.tokenEnv" . }}
 {{- end }}
 
