@@ -1,8 +1,10 @@
 """Run under torchrun (2 ranks, gloo): shard the served model, step, push, check.
 
 Modes: fsdp2, fsdp1, plain, http (fsdp2 over the HTTP transport), meta,
-bad_shape, bad_checksum, kill (rank 0 dies mid-push). Rank 0 writes a JSON
-report to --out; the pytest side asserts on it.
+bad_shape, bad_checksum, kill (rank 0 dies mid-push), kill_replica (rank 0
+SIGKILLs the server $KILL_REPLICA_PID mid-push). Rank 0 writes a JSON report
+to --out; the pytest side asserts on it. --url may list several replicas
+(comma-separated): all are pushed to, and each is sampled with the same seed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 def build(model_path: str, mode: str) -> torch.nn.Module:
     from tests.fidelity.fidelity_worker import build as wrap
 
-    sharded = ("fsdp2", "http", "bad_shape", "bad_checksum", "kill", "meta")
+    sharded = ("fsdp2", "http", "bad_shape", "bad_checksum", "kill", "meta", "kill_replica")
     return wrap(model_path, "fsdp2" if mode in sharded else mode)
 
 
@@ -64,7 +66,9 @@ def main() -> None:
     model = build(args.model, args.mode)
     transport = "http" if args.mode == "http" else "gloo"
     pusher = WeightPusher(args.url, transport=transport, bucket_mb=1)
-    client = GenerationClient(args.url) if rank == 0 else None
+    urls = args.url.split(",")
+    clients = [GenerationClient(u) for u in urls] if rank == 0 else []
+    client = clients[0] if clients else None
     report: dict = {"mode": args.mode}
     prompt = list(b"the quick brown fox")
 
@@ -90,6 +94,8 @@ def main() -> None:
             _break_checksums(pusher)
         if args.mode == "kill":
             _die_mid_push(pusher, rank)
+        if args.mode == "kill_replica":
+            _kill_replica_mid_push(pusher)
         try:
             res = pusher.push(model, version=args.version)
             report.update(error=None, timings=res.timings, nbytes=res.nbytes)
@@ -99,8 +105,19 @@ def main() -> None:
         # Sample from the server, score the same tokens with the trainer's model.
         out = None
         if rank == 0:
-            out = client.generate(prompt_token_ids=[prompt], sampling=dict(
-                n=4, max_tokens=24, temperature=1.0, seed=7))
+            report["replicas"] = []
+            for u, c in zip(urls, clients, strict=True):
+                try:
+                    o = c.generate(prompt_token_ids=[prompt], sampling=dict(
+                        n=4, max_tokens=24, temperature=1.0, seed=7))
+                except Exception as e:  # a replica this test killed
+                    report["replicas"].append({"url": u, "error": str(e)})
+                    continue
+                out = out or o
+                report["replicas"].append({
+                    "url": u, "weight_version": o.weight_version,
+                    "token_ids": [s.token_ids for s in o.results[0].samples],
+                    "logprobs": [s.logprobs for s in o.results[0].samples]})
         box = [out.model_dump() if out else None]
         dist.broadcast_object_list(box, src=0)
         served = box[0]
@@ -161,6 +178,22 @@ def _break_checksums(pusher) -> None:
 class _Done:
     def wait(self) -> None:
         pass
+
+
+def _kill_replica_mid_push(pusher) -> None:
+    """After bucket 2 went out, one replica dies (as if its node failed)."""
+    if pusher.transport is None:
+        return
+    import signal
+
+    send = pusher.transport.send
+
+    def kill_then_send(index, buf, push_id, checksum):
+        if index == 2:
+            os.kill(int(os.environ["KILL_REPLICA_PID"]), signal.SIGKILL)
+        return send(index, buf, push_id, checksum)
+
+    pusher.transport.send = kill_then_send
 
 
 def _die_mid_push(pusher, rank: int) -> None:
