@@ -5,6 +5,7 @@ Needs only httpx and pydantic.
 
 from rollout_sidecar.client.generation_client import AsyncGenerationClient, GenerationClient
 from rollout_sidecar.client.http import RetryPolicy, SidecarError
+from rollout_sidecar.client.router import ReplicaState
 from rollout_sidecar.client.schema import (
     GenerateRequest,
     GenerateResponse,
@@ -14,5 +15,5 @@ from rollout_sidecar.client.schema import (
 
 __all__ = [
     "AsyncGenerationClient", "GenerationClient", "GenerateRequest", "GenerateResponse",
-    "RetryPolicy", "Sample", "SamplingConfig", "SidecarError",
+    "ReplicaState", "RetryPolicy", "Sample", "SamplingConfig", "SidecarError",
 ]

@@ -1,8 +1,11 @@
 """`GenerationClient` and `AsyncGenerationClient`: typed /generate over httpx.
 
-Each API method is written once, as a function that describes its call
-(`_api`); the two clients bind the same functions, one running them blocking
-and one awaiting them, so the two APIs cannot drift apart.
+Each API method is written once, as a function that describes its job
+(`_api`); the two clients bind the same functions, one running the job's
+plan blocking and one awaiting it, so the two APIs cannot drift apart.
+
+Both talk to one server or several replicas (see replicas.py for the URL
+forms and router.py for which replica gets a request).
 """
 
 from __future__ import annotations
@@ -11,12 +14,22 @@ import asyncio
 import functools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import httpx
 
-from rollout_sidecar.client.http import Attempts, Call, RetryPolicy, auth_headers
+from rollout_sidecar.client.http import (
+    Call,
+    Job,
+    Plan,
+    ReadyCheck,
+    RetryPolicy,
+    Send,
+    Sleep,
+    auth_headers,
+)
+from rollout_sidecar.client.router import ReplicaPool, ReplicaState
 from rollout_sidecar.client.schema import (
     GenerateRequest,
     GenerateResponse,
@@ -31,87 +44,127 @@ T = TypeVar("T")
 _SCORE = SamplingConfig(max_tokens=1, logprobs=False, prompt_logprobs=True)
 
 
-class _api:  # noqa: N801 - a namespace of call descriptions
+class _api:  # noqa: N801 - a namespace of job descriptions
     @staticmethod
     def generate(prompts: list[str] | None = None, *,
                  prompt_token_ids: list[list[int]] | None = None,
                  sampling: SamplingConfig | dict | None = None,
-                 min_weight_version: int | None = None) -> Call[GenerateResponse]:
+                 min_weight_version: int | None = None,
+                 session_key: str | None = None) -> Call[GenerateResponse]:
         """Sample completions of `prompts` (strings) or `prompt_token_ids`.
-        `min_weight_version`: wait (bounded by the server) until it is served."""
+        `min_weight_version`: wait (bounded by the server) until it is served;
+        only replicas known to hold it are asked when some are.
+        `session_key`: requests with the same key go to the same replica while
+        it is up (the turns of one episode reuse its prefix cache)."""
         fields = dict(prompts=prompts, prompt_token_ids=prompt_token_ids,
                       sampling=SamplingConfig.model_validate(sampling or {}),
                       min_weight_version=min_weight_version)
         # Absent, not null: the server refuses an explicit null prompt field.
         req = GenerateRequest(**{k: v for k, v in fields.items() if v is not None})
         return Call("POST", "/generate", lambda r: GenerateResponse.model_validate(r.json()),
-                    json=req.model_dump(exclude_none=True))
+                    json=req.model_dump(exclude_none=True),
+                    min_weight_version=min_weight_version, session_key=session_key)
 
     @staticmethod
     def score(prompt_token_ids: list[list[int]], *,
-              min_weight_version: int | None = None) -> Call[GenerateResponse]:
+              min_weight_version: int | None = None,
+              session_key: str | None = None) -> Call[GenerateResponse]:
         """Logprob of every token given the ones before it, under the served
         weights: `results[i].prompt_logprobs` (the first entry is None). For
-        reference-model or recomputed old logprobs in the RL loop."""
+        reference-model or recomputed old logprobs in the RL loop.
+        `min_weight_version`, `session_key`: as for `generate`."""
         return _api.generate(prompt_token_ids=prompt_token_ids, sampling=_SCORE,
-                             min_weight_version=min_weight_version)
+                             min_weight_version=min_weight_version, session_key=session_key)
 
     @staticmethod
     def info() -> Call[InfoResponse]:
-        """Model, dtype, max_model_len, served weight_version, boot id."""
+        """Model, dtype, max_model_len, served weight_version, boot id (of one
+        replica: the least busy)."""
         return Call("GET", "/info", lambda r: InfoResponse.model_validate(r.json()))
 
+    @staticmethod
+    def wait_until_ready(timeout: float = 300.0, poll_s: float = 1.0,
+                         min_ready: int | None = None) -> ReadyCheck:
+        """Wait until `min_ready` replicas (default: every one in the current
+        list) answer GET /ready 200, or raise TimeoutError after `timeout`."""
+        return ReadyCheck(timeout, poll_s, min_ready)
 
-def _blocking(build: Callable[P, Call[T]]) -> Callable[Concatenate[Any, P], T]:
+
+def _blocking(build: Callable[P, Job[T]]) -> Callable[Concatenate[Any, P], T]:
     @functools.wraps(build)
     def method(self: GenerationClient, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._run(build(*args, **kwargs))
+        return self._run(build(*args, **kwargs).plan(self._pool, self.retry))
     return method
 
 
-def _awaited(build: Callable[P, Call[T]]) -> Callable[Concatenate[Any, P], Awaitable[T]]:
+def _awaited(build: Callable[P, Job[T]]) -> Callable[Concatenate[Any, P], Awaitable[T]]:
     @functools.wraps(build)
     async def method(self: AsyncGenerationClient, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self._run(build(*args, **kwargs))
+        return await self._run(build(*args, **kwargs).plan(self._pool, self.retry))
     return method
 
 
-def _client_kwargs(base_url: str | None, token: str | None, timeout: float) -> dict[str, Any]:
-    base_url = base_url or os.environ.get("ROLLOUT_SIDECAR_URL", "http://127.0.0.1:8000")
-    token = token if token is not None else os.environ.get("ROLLOUT_SIDECAR_API_TOKEN")
-    return dict(base_url=base_url, headers=auth_headers(token), timeout=timeout)
+class _Replicated:
+    """What both clients hold: the retry policy and the replica pool."""
 
-
-class GenerationClient:
-    """Blocking client. `base_url` defaults to $ROLLOUT_SIDECAR_URL, the token
-    to $ROLLOUT_SIDECAR_API_TOKEN. `transport` replaces httpx's (whose connect
-    retries then are the transport's business)."""
-
-    def __init__(self, base_url: str | None = None, token: str | None = None,
-                 timeout: float = 300.0, retry: RetryPolicy | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, base_url: str | Sequence[str] | None, token: str | None,
+                 timeout: float, retry: RetryPolicy | None, refresh_s: float) -> None:
         self.retry = retry or RetryPolicy()
-        transport = transport or httpx.HTTPTransport(retries=self.retry.attempts - 1)
-        self._http = httpx.Client(transport=transport, **_client_kwargs(base_url, token, timeout))
+        self._pool = ReplicaPool(base_url or None, refresh_s=refresh_s)  # "": the default
+        token = token if token is not None else os.environ.get("ROLLOUT_SIDECAR_API_TOKEN")
+        # No base_url: every request names its replica. No transport retries:
+        # a connect error must move to another replica (see http.py).
+        self._http_kwargs: dict[str, Any] = dict(headers=auth_headers(token), timeout=timeout)
 
-    def _run(self, call: Call[T]) -> T:
-        attempts = Attempts(self.retry)
-        while (r := attempts.outcome(self._http.request(call.method, call.path, json=call.json,
-                                                         **call.kwargs))) is None:
-            time.sleep(attempts.wait_s)
-        return call.parse(r)
+    def replicas(self) -> list[ReplicaState]:
+        """Each replica's URL, requests outstanding from this client, last seen
+        weight_version, seconds it is still skipped for, and last error."""
+        return self._pool.snapshot()
+
+
+class GenerationClient(_Replicated):
+    """Blocking client, safe to share between threads.
+
+    `base_url`: one URL, several (a list or a comma-separated string), or
+    `dns+http://name:port` for every address of a name (a Kubernetes headless
+    Service; looked up again every `refresh_s` and when every replica is
+    down). Defaults to $ROLLOUT_SIDECAR_URL; the token to
+    $ROLLOUT_SIDECAR_API_TOKEN. `transport` replaces httpx's, for every replica.
+    """
+
+    def __init__(self, base_url: str | Sequence[str] | None = None, token: str | None = None,
+                 timeout: float = 300.0, retry: RetryPolicy | None = None,
+                 transport: httpx.BaseTransport | None = None, refresh_s: float = 30.0) -> None:
+        super().__init__(base_url, token, timeout, retry, refresh_s)
+        self._http = httpx.Client(transport=transport, **self._http_kwargs)
+
+    def _run(self, plan: Plan[T]) -> T:
+        try:
+            step = next(plan)
+            while True:
+                if isinstance(step, Send):
+                    reply, error = None, None
+                    try:
+                        reply = self._http.request(step.method, step.url, json=step.json,
+                                                   **step.kwargs)
+                    except httpx.TransportError as e:
+                        error = e  # the plan decides: retry elsewhere, or raise
+                    step = plan.send(reply) if error is None else plan.throw(error)
+                elif isinstance(step, Sleep):
+                    time.sleep(step.seconds)
+                    step = next(plan)
+                else:
+                    self._pool.refresh()
+                    step = next(plan)
+        except StopIteration as done:
+            return done.value
+        finally:
+            plan.close()
 
     generate = _blocking(_api.generate)
     score = _blocking(_api.score)
     info = _blocking(_api.info)
-
-    def wait_until_ready(self, timeout: float = 300.0, poll_s: float = 1.0) -> None:
-        """Block until GET /ready answers 200, or raise TimeoutError."""
-        deadline = time.monotonic() + timeout
-        while not _ready(lambda: self._http.get("/ready")):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self._http.base_url} not ready after {timeout:.0f}s")
-            time.sleep(poll_s)
+    wait_until_ready = _blocking(_api.wait_until_ready)
 
     def close(self) -> None:
         self._http.close()
@@ -123,40 +176,43 @@ class GenerationClient:
         self.close()
 
 
-class AsyncGenerationClient:
+class AsyncGenerationClient(_Replicated):
     """The same API as `GenerationClient`, for asyncio loops."""
 
-    def __init__(self, base_url: str | None = None, token: str | None = None,
+    def __init__(self, base_url: str | Sequence[str] | None = None, token: str | None = None,
                  timeout: float = 300.0, retry: RetryPolicy | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.retry = retry or RetryPolicy()
-        transport = transport or httpx.AsyncHTTPTransport(retries=self.retry.attempts - 1)
-        self._http = httpx.AsyncClient(transport=transport,
-                                       **_client_kwargs(base_url, token, timeout))
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 refresh_s: float = 30.0) -> None:
+        super().__init__(base_url, token, timeout, retry, refresh_s)
+        self._http = httpx.AsyncClient(transport=transport, **self._http_kwargs)
 
-    async def _run(self, call: Call[T]) -> T:
-        attempts = Attempts(self.retry)
-        while (r := attempts.outcome(await self._http.request(
-                call.method, call.path, json=call.json, **call.kwargs))) is None:
-            await asyncio.sleep(attempts.wait_s)
-        return call.parse(r)
+    async def _run(self, plan: Plan[T]) -> T:
+        try:
+            step = next(plan)
+            while True:
+                if isinstance(step, Send):
+                    reply, error = None, None
+                    try:
+                        reply = await self._http.request(step.method, step.url, json=step.json,
+                                                         **step.kwargs)
+                    except httpx.TransportError as e:
+                        error = e  # the plan decides: retry elsewhere, or raise
+                    step = plan.send(reply) if error is None else plan.throw(error)
+                elif isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                    step = next(plan)
+                else:
+                    await asyncio.to_thread(self._pool.refresh)  # DNS blocks
+                    step = next(plan)
+        except StopIteration as done:
+            return done.value
+        finally:
+            plan.close()
 
     generate = _awaited(_api.generate)
     score = _awaited(_api.score)
     info = _awaited(_api.info)
-
-    async def wait_until_ready(self, timeout: float = 300.0, poll_s: float = 1.0) -> None:
-        """See `GenerationClient.wait_until_ready`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if (await self._http.get("/ready")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self._http.base_url} not ready after {timeout:.0f}s")
-            await asyncio.sleep(poll_s)
+    wait_until_ready = _awaited(_api.wait_until_ready)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -167,9 +223,3 @@ class AsyncGenerationClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-
-def _ready(get: Callable[[], httpx.Response]) -> bool:
-    try:
-        return get().status_code == 200
-    except httpx.TransportError:
-        return False

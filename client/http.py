@@ -1,11 +1,18 @@
 """What the sync and async clients share: one call description, one retry
-rule, one error type. Each client only supplies the I/O (send, sleep).
+rule, one error type, and the plans that run them over the replica pool.
 
-Retries: connect failures are retried by httpx's own transport (`retries=`),
-which retries only errors where the request surely did not reach the server,
-so it is safe for POST. On top of that, 502/503/504 are retried here, waiting
-what the server's `Retry-After` says (a draining or not-yet-ready server sets
-it), else an exponential backoff with full jitter.
+A plan is a generator that yields the I/O it wants done (`Send`, `Sleep`,
+`Resolve`) and gets the outcome back; each client only supplies that I/O,
+blocking or awaited, so the retry and routing logic exists once.
+
+Retries (at most `RetryPolicy.attempts` tries): connect errors, where the
+request surely did not reach the server (so safe for POST), and 502/503/504.
+The replica that failed is marked down for what its `Retry-After` says (a
+draining or not-yet-ready server sets it), else an exponential backoff with
+full jitter, and the retry goes to another replica if one is up; with one
+replica, or all down, it waits for the first to come back. A 409 naming
+`min_weight_version` (the server waited for the version in vain) moves the
+request to a replica not yet tried, without counting as a failed attempt.
 """
 
 from __future__ import annotations
@@ -13,13 +20,16 @@ from __future__ import annotations
 import email.utils
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
 
+from rollout_sidecar.client.router import ReplicaPool
+
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 # Worth retrying: the server is starting, draining or momentarily unreachable.
 RETRY_STATUS = {502, 503, 504}
@@ -74,35 +84,146 @@ def retry_after_s(response: httpx.Response) -> float | None:
         return None
 
 
+@dataclass(frozen=True)
+class Send:
+    """Send this request; the plan gets the response, or the transport
+    error thrown in at its `yield`."""
+
+    method: str
+    url: str
+    json: Any = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Resolve:
+    """Call `pool.refresh()`: blocking DNS, which the async client runs in a thread."""
+
+
+Step = Send | Sleep | Resolve
+Plan = Generator[Step, Any, T]
+
+
+class Job(Protocol[T_co]):
+    """Something a client can run: it describes its I/O as a plan."""
+
+    def plan(self, pool: ReplicaPool, policy: RetryPolicy) -> Plan[T_co]: ...
+
+
 @dataclass
 class Call(Generic[T]):
-    """One API call: what to send, and how to read a successful answer."""
+    """One API call: what to send, how to read a successful answer, and the
+    routing hints (`min_weight_version`, `session_key`, see router.py)."""
 
     method: str
     path: str
     parse: Callable[[httpx.Response], T]
     json: Any = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    min_weight_version: int | None = None
+    session_key: str | None = None
+
+    def plan(self, pool: ReplicaPool, policy: RetryPolicy) -> Plan[T]:
+        """Send to the pool's choice until one answers: the parsed answer, or
+        the last error once retries (see the module docstring) are spent."""
+        if pool.claim_refresh():
+            yield Resolve()
+        failures = 0
+        tried: set[str] = set()
+        refused: set[str] = set()  # answered 409: min_weight_version did not arrive
+        refusal: SidecarError | None = None
+        while True:
+            if refusal is not None and set(pool.urls()) <= refused:
+                raise refusal  # every replica waited for the version in vain
+            url = pool.pick(min_version=self.min_weight_version, session_key=self.session_key,
+                            exclude=refused, tried=tried)
+            if url is None:  # every candidate is down: look the name up again, or wait
+                yield Resolve() if pool.claim_refresh(force=True) else Sleep(pool.wait_s(refused))
+                continue
+            tried.add(url)
+            response: httpx.Response | None = None
+            error: httpx.TransportError | None = None
+            try:
+                response = yield Send(self.method, url + self.path, self.json, self.kwargs)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                error = e  # never reached the server: safe to send elsewhere
+            finally:
+                pool.done(url)
+            if response is not None and response.status_code not in RETRY_STATUS:
+                if not response.is_error:
+                    return self._parsed(response, url, pool)
+                refusal = SidecarError.from_response(response)
+                if not self._version_refused(refusal):
+                    raise refusal
+                refused.add(url)
+                pool.saw_version(url, None)  # e.g. restarted on its checkpoint
+                continue
+            pool.mark_down(url, policy.delay(failures, response), _describe(error, response))
+            failures += 1
+            if failures >= policy.attempts:
+                raise error if response is None else SidecarError.from_response(response)
+
+    def _parsed(self, response: httpx.Response, url: str, pool: ReplicaPool) -> T:
+        result = self.parse(response)
+        # GenerateResponse and InfoResponse both say which version answered.
+        version = getattr(result, "weight_version", None)
+        if isinstance(version, int):
+            pool.saw_version(url, version)
+        return result
+
+    def _version_refused(self, error: SidecarError) -> bool:
+        return (error.status == 409 and error.field == "min_weight_version"
+                and self.min_weight_version is not None)
 
 
-@dataclass
-class Attempts:
-    """The retry loop's state, shared by both clients' loops:
-    `outcome(response)` is the response to return, None to retry (after
-    `wait_s`), or raises the final error."""
+# A /ready probe is cheap; one hung replica must not stall the others' polls.
+READY_PROBE_TIMEOUT_S = 10.0
 
-    policy: RetryPolicy
-    attempt: int = 0
-    wait_s: float = 0.0
 
-    def outcome(self, response: httpx.Response) -> httpx.Response | None:
-        if response.status_code in RETRY_STATUS and self.attempt < self.policy.attempts - 1:
-            self.wait_s = self.policy.delay(self.attempt, response)
-            self.attempt += 1
-            return None
-        if response.is_error:
-            raise SidecarError.from_response(response)
-        return response
+@dataclass(frozen=True)
+class ReadyCheck:
+    """Wait until `min_ready` replicas (default: every one) answer GET /ready 200."""
+
+    timeout: float
+    poll_s: float
+    min_ready: int | None = None
+
+    def plan(self, pool: ReplicaPool, policy: RetryPolicy) -> Plan[None]:
+        deadline = pool.clock() + self.timeout
+        ready: list[str] = []
+        while True:
+            # No replica ready yet: maybe the dns+ name has new addresses.
+            if pool.claim_refresh(force=not ready):
+                yield Resolve()
+            urls = pool.urls()
+            need = len(urls) if self.min_ready is None else self.min_ready
+            ready = []
+            for url in urls:
+                try:
+                    r = yield Send("GET", url + "/ready", kwargs={"timeout": READY_PROBE_TIMEOUT_S})
+                except httpx.TransportError:
+                    continue
+                if r.status_code == 200:
+                    ready.append(url)
+                    pool.mark_up(url)
+            if len(ready) >= need:
+                return
+            if pool.clock() > deadline:
+                waiting = [u for u in urls if u not in ready]
+                raise TimeoutError(f"{len(ready)} of {len(urls)} replicas ready, {need} needed, "
+                                   f"after {self.timeout:.0f}s; not ready: {', '.join(waiting)}")
+            yield Sleep(self.poll_s)
+
+
+def _describe(error: Exception | None, response: httpx.Response | None) -> str:
+    if error is not None:
+        return f"{type(error).__name__}: {error}"
+    return f"HTTP {response.status_code if response is not None else '?'}"
 
 
 def auth_headers(token: str | None) -> dict[str, str]:

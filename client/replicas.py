@@ -26,13 +26,8 @@ DNS_PREFIX = "dns+"
 def expand_urls(urls: str | Sequence[str] | None, env_var: str = "ROLLOUT_SIDECAR_URL"
                 ) -> list[str]:
     """Base URLs of every replica, in a stable order (sorted after DNS)."""
-    if urls is None:
-        urls = os.environ.get(env_var) or DEFAULT_URL
-    items = urls.split(",") if isinstance(urls, str) else list(urls)
     out: list[str] = []
-    for item in (u.strip().rstrip("/") for u in items):
-        if not item:
-            continue
+    for item in url_items(urls, env_var):
         for url in (_resolve(item[len(DNS_PREFIX):]) if item.startswith(DNS_PREFIX)
                     else [item]):
             if url not in out:
@@ -40,6 +35,15 @@ def expand_urls(urls: str | Sequence[str] | None, env_var: str = "ROLLOUT_SIDECA
     if not out:
         raise ValueError(f"no server URL in {urls!r}")
     return out
+
+
+def url_items(urls: str | Sequence[str] | None, env_var: str = "ROLLOUT_SIDECAR_URL"
+              ) -> list[str]:
+    """The items of `urls` (default: $`env_var`) as given, `dns+` names unresolved."""
+    if urls is None:
+        urls = os.environ.get(env_var) or DEFAULT_URL
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    return [u for u in (i.strip().rstrip("/") for i in items) if u]
 
 
 def _resolve(url: str) -> list[str]:
