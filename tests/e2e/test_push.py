@@ -28,11 +28,13 @@ def version(server) -> int:
 
 
 def run_worker(server, mode: str, v: int, tmp_path: Path, check: bool = True,
-               env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict | None]:
+               env: dict | None = None, url: str | None = None
+               ) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """`url`: the replicas to push to (default: `server`, whose tokens are used)."""
     out = tmp_path / f"{mode}.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(WORKER), "--mode", mode, "--url", server.url,
+         "--master-port", str(free_port()), str(WORKER), "--mode", mode, "--url", url or server.url,
          "--model", str(server.model_path), "--out", str(out), "--version", str(v)],
         # The worker shares the FSDP wrapping of tests/fidelity: the repo root on the path.
         env=dict(os.environ, PYTHONPATH=str(REPO), ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token,
