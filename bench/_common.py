@@ -174,10 +174,11 @@ def serve(model: Path | None, log: Path, max_model_len: int = 512,
     Its own session, so the vLLM engine process it spawns is stopped with it.
     """
     port, dp_port = free_port(), free_port()
-    api, admin = secrets.token_hex(8), secrets.token_hex(8)
-    env = dict(os.environ, ROLLOUT_SIDECAR_API_TOKEN=api, ROLLOUT_SIDECAR_ADMIN_TOKEN=admin,
-               ROLLOUT_SIDECAR_CACHE_DIR=str(CACHE), PYTHONUNBUFFERED="1", **ENGINE_ENV,
-               **(env or {}))
+    env = {**os.environ, "ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
+           "ROLLOUT_SIDECAR_ADMIN_TOKEN": secrets.token_hex(8),
+           "ROLLOUT_SIDECAR_CACHE_DIR": str(CACHE), "PYTHONUNBUFFERED": "1", **ENGINE_ENV,
+           **(env or {})}  # tokens given in `env` (shared by replicas) win
+    api, admin = env["ROLLOUT_SIDECAR_API_TOKEN"], env["ROLLOUT_SIDECAR_ADMIN_TOKEN"]
     cmd = [sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
            "--data-plane-port", str(dp_port), "--max-model-len", str(max_model_len),
            "--log-level", "warning"]

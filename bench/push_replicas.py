@@ -68,7 +68,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         a, b = (stack.enter_context(serve(ckpt, args.workdir / f"replica-{n}.log", env=env))
                 for n in "ab")
-        print(f"{args.size}: {params / 1e6:.1f}M params; load {load()}", flush=True)
+        print(f"{args.size}: {params / 1e6:.1f}M params; {load()}", flush=True)
         t0 = time.perf_counter()
         one, v = timed([a.url], token, model, 1, args.repeats, args.bucket_mb)
         two, _ = timed([a.url, b.url], token, model, v, args.repeats, args.bucket_mb)

@@ -280,7 +280,9 @@ class WeightPusher:
                           buckets=len(buckets), commit_policy=first.commit_policy,
                           server_restarted=restarted, replicas=outcomes,
                           timings={f"server_{k}": max(o.timings.get(k, 0.0) for o in outcomes)
-                                   for k in first.timings})
+                                   for k in first.timings}
+                          | {"server_verify_s": max(p.timings.get("verify_s", 0.0)
+                                                    for p in prepared)})
 
     def _probe(self, model: nn.Module, outcome: PushResult, verify: bool | Forward,
                tolerance: float | None) -> None:
