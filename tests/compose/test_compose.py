@@ -1,5 +1,6 @@
 """The Docker deployment (deploy/): compose file validation, and a real run of the
-demo stack (`docker compose up`) on the offline-built images.
+demo stack with two server replicas (profile `replicas`) on the offline-built
+images.
 
 Needs the compose v2 binary (config tests) and a Docker engine (the run); both
 come from `bash deploy/docker/install-engine.sh`. Without them the tests skip,
@@ -25,6 +26,9 @@ DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 BUILD_SH = DEPLOY / "docker" / "build.sh"
 DEMO_STEPS = int(os.environ.get("ROLLOUT_SIDECAR_COMPOSE_TEST_STEPS", "6"))
+# The two-replica switch (profile `replicas` + the trainer's URL list).
+REPLICA_URLS = "http://server:8000,http://server-b:8000"
+REPLICAS_ENV = {"COMPOSE_PROFILES": "replicas", "DEMO_SERVER_URLS": REPLICA_URLS}
 
 pytestmark = pytest.mark.docker
 
@@ -71,10 +75,19 @@ def compose() -> list[str]:
     return cmd + ["-f", str(COMPOSE_FILE)]
 
 
-def compose_config(compose: list[str], *profiles: str) -> dict[str, Any]:
+def _env(**extra: str) -> dict[str, str]:
+    """os.environ without the stack's switches (a developer's shell may set
+    them), plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COMPOSE_PROFILES", "DEMO_SERVER_URLS")}
+    return {**env, **extra}
+
+
+def compose_config(compose: list[str], *profiles: str, env: dict | None = None,
+                   ) -> dict[str, Any]:
     args = [a for p in profiles for a in ("--profile", p)]
     p = subprocess.run([*compose, *args, "config", "--format", "json"], capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, env=env or _env())
     assert p.returncode == 0, f"compose config {args} failed:\n{p.stderr}"
     return json.loads(p.stdout)
 
@@ -87,6 +100,8 @@ def test_compose_config_cpu(compose):
     server, trainer = services["server"], services["trainer"]
     assert "/ready" in " ".join(server["healthcheck"]["test"])
     assert trainer["depends_on"]["server"]["condition"] == "service_healthy"
+    # server-b (profile `replicas`) is waited for only when it is enabled.
+    assert trainer["depends_on"]["server-b"]["required"] is False
     assert int(server["shm_size"]) >= 256 * 2**20, "vLLM's processes need /dev/shm"
     assert server["build"]["target"] == "server" and trainer["build"]["target"] == "trainer"
     for svc in (server, trainer):
@@ -122,6 +137,36 @@ def test_compose_config_gpu_profile(compose):
     assert trainer["environment"]["ROLLOUT_SIDECAR_URL"] == "http://server-gpu:8000"
 
 
+def test_compose_config_replicas_profile(compose):
+    services = compose_config(compose, env=_env(**REPLICAS_ENV))["services"]
+    assert set(services) == {"server", "server-b", "trainer"}
+    server, server_b, trainer = services["server"], services["server-b"], services["trainer"]
+    assert server_b["profiles"] == ["replicas"]
+    # The same server: image, settings, tokens, healthcheck; only the host port differs.
+    assert server_b["image"] == server["image"]
+    assert server_b["environment"] == server["environment"]
+    assert server_b["healthcheck"] == server["healthcheck"]
+    assert server_b["shm_size"] == server["shm_size"]
+    assert not server_b.get("ports"), "server-b is reached inside the network only"
+    assert "build" not in server_b and server_b["pull_policy"] == "never", \
+        "server-b runs the image `server` builds"
+    # The trainer waits for both, then pushes to and samples from both.
+    assert trainer["depends_on"]["server-b"]["condition"] == "service_healthy"
+    assert trainer["depends_on"]["server"]["condition"] == "service_healthy"
+    assert trainer["environment"]["ROLLOUT_SIDECAR_URL"].split(",") == [
+        "http://server:8000", "http://server-b:8000"]
+    # One network: gloo connects every pair of ranks on ephemeral ports.
+    assert set(server["networks"]) == set(server_b["networks"]) == set(trainer["networks"])
+
+    # The profile alone adds server-b; the trainer's URL stays the default.
+    services = compose_config(compose, "replicas")["services"]
+    assert "server-b" in services
+    assert services["trainer"]["environment"]["ROLLOUT_SIDECAR_URL"] == "http://server:8000"
+    # server-b is in no other profile.
+    assert "server-b" not in compose_config(compose)["services"]
+    assert "server-b" not in compose_config(compose, "gpu")["services"]
+
+
 def _run(cmd: list[str], log: Path, timeout: float, env: dict | None = None,
          ) -> subprocess.CompletedProcess:
     with open(log, "w") as f:
@@ -154,8 +199,8 @@ def test_compose_up_runs_the_demo(compose, tmp_path, request):
         assert uid.returncode == 0 and uid.stdout.strip() != "0", f"{image} runs as root"
 
     project = f"rs-test-{uuid.uuid4().hex[:8]}"
-    env = dict(
-        os.environ,
+    env = _env(
+        **REPLICAS_ENV,  # two replicas: the trainer pushes to and samples from both
         DEMO_STEPS=str(DEMO_STEPS),
         # Tokens from the environment (not the dev defaults), as a deployment would.
         ROLLOUT_SIDECAR_API_TOKEN=secrets.token_hex(16),
@@ -172,10 +217,24 @@ def test_compose_up_runs_the_demo(compose, tmp_path, request):
 
     request.addfinalizer(down)
 
+    def logs() -> str:
+        p = subprocess.run([*cmd, "logs", "--no-color", "--tail", "40"], capture_output=True,
+                           text=True, env=env, timeout=120)
+        return p.stdout + p.stderr
+
+    # `up -d` + `wait trainer` rather than `up --abort-on-container-exit`: the
+    # servers must still be up after the demo, to ask them what they serve.
     up_log = tmp_path / "compose-up.log"
-    p = _run([*cmd, "up", "--abort-on-container-exit", "--exit-code-from", "trainer"],
-             up_log, timeout=1200, env=env)
-    assert p.returncode == 0, f"`docker compose up` exited {p.returncode}:\n{_tail(up_log)}"
+    p = _run([*cmd, "up", "--detach"], up_log, timeout=900, env=env)
+    assert p.returncode == 0, f"`docker compose up -d` exited {p.returncode}:\n" \
+        f"{_tail(up_log)}\n{logs()}"
+    ps = subprocess.run([*cmd, "ps", "--all", "--format", "{{.Service}}"], capture_output=True,
+                        text=True, env=env, timeout=120)
+    assert set(ps.stdout.split()) == {"server", "server-b", "trainer"}, ps.stdout + ps.stderr
+    wait_log = tmp_path / "compose-wait.log"
+    # Blocks until the trainer exits; exits with the trainer's code.
+    p = _run([*cmd, "wait", "trainer"], wait_log, timeout=900, env=env)
+    assert p.returncode == 0, f"the trainer exited {p.returncode}:\n{_tail(wait_log)}\n{logs()}"
 
     out = tmp_path / "report"
     cp_log = tmp_path / "cp.log"
@@ -185,9 +244,22 @@ def test_compose_up_runs_the_demo(compose, tmp_path, request):
     assert report_json.is_file(), f"no report.json; got {sorted(os.listdir(out))}"
     report = json.loads(report_json.read_text())
 
+    assert report["config"]["url"] == REPLICA_URLS, "the demo ran against both replicas"
     steps = report["steps"]
     assert [s["step"] for s in steps] == list(range(1, DEMO_STEPS + 1))
     versions = [s["weight_version"] for s in steps]
     assert versions == sorted(versions), f"weight_version went backwards: {versions}"
     assert versions[-1] == DEMO_STEPS, f"one push per step expected: {versions}"
     assert (out / "report.png").stat().st_size > 0
+
+    # What a user of two replicas cares about: both serve the final weights.
+    # Asked from inside the network (server-b has no host port), with the API
+    # token from the container's environment.
+    for url in ("http://server:8000", "http://server-b:8000"):
+        p = subprocess.run(
+            [*cmd, "exec", "-T", "server", "sh", "-c",
+             'curl -fsS -H "Authorization: Bearer $ROLLOUT_SIDECAR_API_TOKEN" "$0/info"', url],
+            capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0, f"GET {url}/info failed:\n{p.stdout}\n{p.stderr}"
+        info = json.loads(p.stdout)
+        assert info["weight_version"] == DEMO_STEPS, f"{url} serves {info['weight_version']}"
