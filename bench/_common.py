@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing as mp
 import os
 import platform
 import secrets
@@ -18,10 +19,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -222,3 +225,67 @@ def _stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(10)
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+class PeakRss:
+    """Peak RSS over a block, in bytes.
+
+    Primary: the kernel's own high-water mark (VmHWM), reset by writing 5 to
+    /proc/self/clear_refs: exact, no sampling. Fallback where that file is not
+    writable: a thread sampling VmRSS every millisecond.
+    """
+
+    def __enter__(self) -> PeakRss:
+        self.before = _status_kb("VmRSS") * 1024
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.method = "VmHWM reset via /proc/self/clear_refs"
+        except OSError:
+            self.method = "VmRSS sampled every 1 ms"
+        self._peak, self._stop = self.before, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self._peak = max(self._peak, _status_kb("VmRSS") * 1024)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self._peak, _status_kb("VmRSS") * 1024)
+        if self.method.startswith("VmHWM"):
+            self.peak = max(self.peak, _status_kb("VmHWM") * 1024)
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.before
+
+
+def in_fresh_process(target: Any, args: tuple, what: str, timeout_s: float = 900) -> Any:
+    """Run `target(*args, pipe)` in a spawned process and return what it sends
+    through the pipe: a fresh process, so its first allocations are measured."""
+    ctx = mp.get_context("spawn")
+    rx, tx = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=target, args=(*args, tx))
+    p.start()
+    try:
+        res = rx.recv() if rx.poll(timeout_s) else None
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    if res is None:
+        raise RuntimeError(f"{what} exited {p.exitcode}")
+    return res

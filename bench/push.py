@@ -22,7 +22,6 @@ import ctypes
 import datetime
 import multiprocessing as mp
 import tempfile
-import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -30,7 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import build_llama, free_port, load, machine, median, serve, table
+from _common import (
+    PeakRss,
+    build_llama,
+    free_port,
+    in_fresh_process,
+    load,
+    machine,
+    median,
+    serve,
+    table,
+)
 
 MiB = 2**20
 DTYPE = torch.bfloat16  # what the server serves, so what goes over the wire
@@ -86,49 +95,6 @@ def timed_pushes(url: str, token: str, model: torch.nn.Module, version: int, rep
 # ------------------------------------------------------------------ rank-0 RSS
 
 
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
-class PeakRss:
-    """Peak RSS over a block, in bytes.
-
-    Primary: the kernel's own high-water mark (VmHWM), reset by writing 5 to
-    /proc/self/clear_refs: exact, no sampling. Fallback where that file is not
-    writable: a thread sampling VmRSS every millisecond.
-    """
-
-    def __enter__(self) -> PeakRss:
-        self.before = _status_kb("VmRSS") * 1024
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-            self.method = "VmHWM reset via /proc/self/clear_refs"
-        except OSError:
-            self.method = "VmRSS sampled every 1 ms"
-        self._peak, self._stop = self.before, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self._peak = max(self._peak, _status_kb("VmRSS") * 1024)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self._peak, _status_kb("VmRSS") * 1024)
-        if self.method.startswith("VmHWM"):
-            self.peak = max(self.peak, _status_kb("VmHWM") * 1024)
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.before
-
-
 def rss_child(ckpt: str, url: str, token: str, version: int, bucket_mb: float,
               trainer_dtype: str, threads: int, out: Any) -> None:
     """A fresh rank 0: load, build the pusher, then measure two pushes."""
@@ -154,20 +120,9 @@ def rss_child(ckpt: str, url: str, token: str, version: int, bucket_mb: float,
 
 def measure_rss(ckpt: Path, url: str, token: str, version: int, bucket_mb: float,
                 trainer_dtype: str, threads: int) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    rx, tx = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=rss_child, args=(str(ckpt), url, token, version, bucket_mb,
-                                            trainer_dtype, threads, tx))
-    p.start()
-    try:
-        res = rx.recv() if rx.poll(900) else None
-    finally:
-        p.join(60)
-        if p.is_alive():
-            p.kill()
-    if res is None:
-        raise RuntimeError(f"RSS child for bucket {bucket_mb} MiB exited {p.exitcode}")
-    return res
+    return in_fresh_process(rss_child, (str(ckpt), url, token, version, bucket_mb,
+                                        trainer_dtype, threads),
+                            f"RSS child for bucket {bucket_mb} MiB")
 
 
 # ------------------------------------------------------------------ per-param baseline
@@ -182,7 +137,9 @@ def per_param_push(url: str, token: str, model: torch.nn.Module, version: int) -
     once at commit where TRL loads per parameter, so it flatters the baseline."""
     from rollout_sidecar.trainer import WeightPusher
 
-    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=1e-6, verify=False)
+    # split_tensors=False: with a 1-byte bucket every parameter gets one of its own.
+    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=1e-6, verify=False,
+                          split_tensors=False)
     pusher.push(model, version=version)  # connect + allocate outside the timing
     send = pusher.transport.send
     calls = 0

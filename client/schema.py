@@ -233,14 +233,22 @@ Transport = Literal["gloo", "nccl", "http"]
 
 
 class ParamSlot(_Strict):
-    """Where one tensor sits inside a packed bucket. Floating tensors travel in
-    the serving dtype; integer and bool tensors (persistent buffers such as
-    routing tables) in their own."""
+    """Where one tensor, or one chunk of it, sits inside a packed bucket.
+    Floating tensors travel in the serving dtype; integer and bool tensors
+    (persistent buffers such as routing tables) in their own. A tensor larger
+    than a bucket is split: its chunks, in consecutive entries, carry
+    `chunk_offset` and `nbytes` and cover its bytes exactly once, in order."""
 
     name: str
     dtype: str
-    shape: list[Int]
+    shape: list[Int] = Field(description="The whole tensor's shape, also for a chunk.")
     offset: Int = Field(description="Byte offset in the bucket; aligned to the dtype size.")
+    chunk_offset: Int | None = Field(
+        None, json_schema_extra=_not_null,
+        description="A chunk: where it starts in the tensor's bytes (C order, wire dtype). "
+        "Absent: the entry is the whole tensor.")
+    nbytes: Int | None = Field(None, json_schema_extra=_not_null,
+                               description="A chunk: its length in bytes; with chunk_offset.")
 
 
 class BucketManifest(_Strict):

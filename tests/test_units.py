@@ -38,12 +38,6 @@ def test_buckets_respect_size_alignment_and_order():
         assert all(e <= s2.offset for e, s2 in zip(ends, b.slots[1:], strict=False))
 
 
-def test_oversized_tensor_gets_its_own_bucket():
-    params = [ParamInfo("small", (10,), torch.float32), ParamInfo("big", (10_000,), torch.float32)]
-    buckets = plan_buckets(params, torch.float32, bucket_bytes=1000)
-    assert [[s.name for s in b.slots] for b in buckets] == [["small"], ["big"]]
-
-
 def test_tied_weights_are_planned_once_and_meta_is_found():
     m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     m[1].weight = m[0].weight

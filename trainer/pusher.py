@@ -96,8 +96,11 @@ class WeightPusher:
             listed replica takes part in every push.
         admin_token: weights token (default $ROLLOUT_SIDECAR_ADMIN_TOKEN).
         transport: "gloo" (host memory), "nccl" (GPU to GPU) or "http".
-        bucket_mb: bucket size; rank 0's extra peak is about
-            2 x max(bucket, largest single tensor) plus that tensor gathered.
+        bucket_mb: bucket size; rank 0's extra peak is about 2 x bucket (two
+            send buffers: a tensor larger than a bucket is split across
+            buckets) plus the largest tensor gathered (FSDP materialises one
+            full tensor at a time). The server copies each split tensor once
+            while loading (see server/weights/staging.py).
         device: compute device for FSDP gathers (default: the mesh's device).
         data_plane_host: where the server's TCPStore listens (default: url host).
         verify: after each commit, probe the server against this trainer's own
@@ -117,6 +120,9 @@ class WeightPusher:
         lease_wait_s: how long to wait for another trainer's connection lease
             to run out (a restarted trainer finds its old self there) before
             raising.
+        split_tensors: False gives a tensor larger than a bucket a bucket of
+            its own instead of splitting it (for servers that predate chunked
+            manifests); the send buffers then grow to 2 x the largest tensor.
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, admin_token: str | None = None,
@@ -125,9 +131,11 @@ class WeightPusher:
                  verify: bool | Forward = True, verify_tolerance: float | None = None,
                  verify_every: int = 1, commit_policy: str | None = None,
                  on_server_restart: Literal["repush", "raise"] = "repush",
-                 takeover: bool = False, lease_wait_s: float = 60.0) -> None:
+                 takeover: bool = False, lease_wait_s: float = 60.0,
+                 split_tensors: bool = True) -> None:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.bucket_bytes = int(bucket_mb * 2**20)
+        self.split_tensors = split_tensors
         self.device = device
         self.verify, self.verify_tolerance = verify, verify_tolerance
         self.verify_every = max(1, verify_every)
@@ -227,7 +235,7 @@ class WeightPusher:
         self.transport.ensure_connected(statuses)
         wire = {n: getattr(torch, t.dtype) for n, t in self._index.tensors.items()}
         plan = CheckpointLayout(model).plan(param_plan(model, buffers))
-        buckets = plan_buckets(plan, serve_dtype, self.bucket_bytes, wire)
+        buckets = plan_buckets(plan, serve_dtype, self.bucket_bytes, wire, self.split_tensors)
         begun = rs.each(lambda a, i: a.begin(version, self.transport.name, manifest(buckets),
                                              self.transport.connection_id, self.commit_policy))
         if bad := failures(begun):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rollout_sidecar.client.schema import BeginRequest
+from dataclasses import dataclass
+
+from rollout_sidecar.client.schema import BeginRequest, ParamSlot
 from rollout_sidecar.server.checkpoint_index import CheckpointIndex
 from rollout_sidecar.server.errors import BadRequest
 
@@ -10,9 +12,54 @@ _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8
              "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
+@dataclass
+class _Split:
+    name: str
+    covered: int  # bytes from 0 that chunks so far carry
+    total: int
+
+
+class _ChunkCoverage:
+    """A split tensor's chunks come in consecutive entries and cover its bytes
+    exactly once, in order: from byte 0, no gap, no overlap, to its end.
+    Staging reassembles them in that order, one tensor at a time."""
+
+    def __init__(self) -> None:
+        self.open: _Split | None = None
+
+    def size(self, p: ParamSlot, total: int, f: str) -> int:
+        """Bytes the entry occupies in its bucket; raise if it breaks coverage."""
+        o = self.open
+        if o is not None and (p.chunk_offset is None or p.name != o.name):
+            raise BadRequest(f"{o.name}: chunks cover bytes 0..{o.covered} of {o.total}; the "
+                             f"next entry must be its chunk at byte {o.covered}", f"{f}.name")
+        if p.chunk_offset is None and p.nbytes is None:
+            return total
+        if p.chunk_offset is None or p.nbytes is None:
+            raise BadRequest(f"{p.name}: a chunk needs both chunk_offset and nbytes",
+                             f"{f}.chunk_offset")
+        covered = o.covered if o is not None else 0
+        if p.chunk_offset != covered:
+            what = "an overlap" if p.chunk_offset < covered else "a gap"
+            raise BadRequest(f"{p.name}: chunk at byte {p.chunk_offset}, but its next chunk "
+                             f"must start at byte {covered} ({what})", f"{f}.chunk_offset")
+        if p.nbytes <= 0 or covered + p.nbytes > total:
+            raise BadRequest(f"{p.name}: chunk of {p.nbytes} bytes at byte {covered} does not "
+                             f"fit the tensor's {total} bytes", f"{f}.nbytes")
+        covered += p.nbytes
+        self.open = _Split(p.name, covered, total) if covered < total else None
+        return p.nbytes
+
+    def finish(self) -> None:
+        if (o := self.open) is not None:
+            raise BadRequest(f"{o.name}: chunks cover only bytes 0..{o.covered} of {o.total}",
+                             "buckets")
+
+
 def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) -> None:
     """Raise `BadRequest` naming the first offending field."""
     seen: set[str] = set()
+    chunks = _ChunkCoverage()
     for bi, bucket in enumerate(req.buckets):
         where = f"buckets[{bi}]"
         if bucket.index != bi:
@@ -29,7 +76,8 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) 
             if spec is None:
                 raise BadRequest(f"unknown parameter {p.name!r}: the served checkpoint has no "
                                  "such tensor (check name normalisation)", f"{f}.name")
-            if p.name in seen:
+            continues = chunks.open is not None and chunks.open.name == p.name
+            if p.name in seen and not continues:
                 raise BadRequest(f"parameter {p.name!r} sent twice", f"{f}.name")
             seen.add(p.name)
             if tuple(p.shape) != spec.shape:
@@ -40,7 +88,7 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) 
                 raise BadRequest(f"{p.name}: dtype {p.dtype}, server expects {want} (floating "
                                  f"tensors travel in the serving dtype {serve_dtype}; the "
                                  "pusher casts: is it talking to another server?)", f"{f}.dtype")
-            size = _ITEMSIZE[p.dtype] * spec.numel
+            size = chunks.size(p, _ITEMSIZE[p.dtype] * spec.numel, f)
             if p.offset < end_prev or p.offset % _ITEMSIZE[p.dtype]:
                 raise BadRequest(f"{p.name}: offset {p.offset} overlaps or is misaligned",
                                  f"{f}.offset")
@@ -48,6 +96,7 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) 
             if end_prev > bucket.nbytes:
                 raise BadRequest(f"{p.name}: ends at byte {end_prev}, bucket has "
                                  f"{bucket.nbytes}", f"{f}.offset")
+    chunks.finish()
     missing = sorted(set(index.tensors) - seen)
     # Every push is complete: vLLM's layerwise reload rebuilds a fused layer
     # (q/k/v, gate/up) from what was pushed, so a partial push would zero the rest.

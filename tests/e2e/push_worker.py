@@ -1,10 +1,12 @@
 """Run under torchrun (2 ranks, gloo): shard the served model, step, push, check.
 
-Modes: fsdp2, fsdp1, plain, http (fsdp2 over the HTTP transport), meta,
-bad_shape, bad_checksum, kill (rank 0 dies mid-push), kill_replica (rank 0
-SIGKILLs the server $KILL_REPLICA_PID mid-push). Rank 0 writes a JSON report
-to --out; the pytest side asserts on it. --url may list several replicas
-(comma-separated): all are pushed to, and each is sampled with the same seed.
+Modes: fsdp2, fsdp1, plain, http (fsdp2 over the HTTP transport), split
+(fsdp2 with a bucket smaller than the embedding: big tensors travel in
+chunks), meta, bad_shape, bad_checksum, kill (rank 0 dies mid-push),
+kill_replica (rank 0 SIGKILLs the server $KILL_REPLICA_PID mid-push). Rank 0
+writes a JSON report to --out; the pytest side asserts on it. --url may list
+several replicas (comma-separated): all are pushed to, and each is sampled
+with the same seed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch.distributed as dist
 def build(model_path: str, mode: str) -> torch.nn.Module:
     from tests.fidelity.fidelity_worker import build as wrap
 
-    sharded = ("fsdp2", "http", "bad_shape", "bad_checksum", "kill", "meta", "kill_replica")
+    sharded = ("fsdp2", "http", "split", "bad_shape", "bad_checksum", "kill", "meta",
+               "kill_replica")
     return wrap(model_path, "fsdp2" if mode in sharded else mode)
 
 
@@ -65,11 +68,15 @@ def main() -> None:
 
     model = build(args.model, args.mode)
     transport = "http" if args.mode == "http" else "gloo"
-    pusher = WeightPusher(args.url, transport=transport, bucket_mb=1)
+    # split: 0.1 MiB, under the 132 KiB embedding and lm_head (and the MLP weights).
+    pusher = WeightPusher(args.url, transport=transport,
+                          bucket_mb=0.1 if args.mode == "split" else 1)
     urls = args.url.split(",")
     clients = [GenerationClient(u) for u in urls] if rank == 0 else []
     client = clients[0] if clients else None
     report: dict = {"mode": args.mode}
+    if args.mode == "split":
+        _record_splits(report)
     prompt = list(b"the quick brown fox")
 
     if args.mode == "meta":
@@ -155,6 +162,21 @@ def _break_manifest(pusher) -> None:
     import rollout_sidecar.trainer.pusher as p
 
     p.manifest = bad
+
+
+def _record_splits(report: dict) -> None:
+    """Note which tensors the pushed manifest split into chunks."""
+    import rollout_sidecar.trainer.pusher as p
+
+    orig = p.manifest
+
+    def recorded(buckets):
+        m = orig(buckets)
+        report["split"] = sorted({e["name"] for b in m for e in b["params"] if "chunk_offset" in e})
+        report["max_bucket_bytes"] = max(b["nbytes"] for b in m)
+        return m
+
+    p.manifest = recorded
 
 
 def _break_checksums(pusher) -> None:

@@ -36,8 +36,11 @@ def run_worker(server, mode: str, v: int, tmp_path: Path, check: bool = True,
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), str(WORKER), "--mode", mode, "--url", url or server.url,
          "--model", str(server.model_path), "--out", str(out), "--version", str(v)],
-        # The worker shares the FSDP wrapping of tests/fidelity: the repo root on the path.
-        env=dict(os.environ, PYTHONPATH=str(REPO), ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token,
+        # The worker shares the FSDP wrapping of tests/fidelity: the repo root on the path,
+        # ahead of the caller's (which may point rollout_sidecar at this checkout).
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                     [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                 ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token,
                  ROLLOUT_SIDECAR_API_TOKEN=server.api_token, **(env or {})),
         capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
@@ -55,11 +58,14 @@ def assert_pushed(report: dict, v_before: int) -> None:
     assert report["mean_abs_dlogp_pre"] > 3 * report["mean_abs_dlogp_bf16"], report
 
 
-@pytest.mark.parametrize("mode", ["fsdp2", "fsdp1", "http"])
+@pytest.mark.parametrize("mode", ["fsdp2", "fsdp1", "http", "split"])
 def test_push_serves_the_stepped_weights(server, tmp_path, mode):
     v = version(server)
     _, report = run_worker(server, mode, v + 1, tmp_path)
     assert_pushed(report, v)
+    if mode == "split":  # a 0.1 MiB bucket: the embedding and lm_head went in chunks
+        assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(report["split"]), report
+        assert report["max_bucket_bytes"] <= int(0.1 * 2**20)
 
 
 @pytest.mark.parametrize("mode, reason", [("bad_shape", "shape"), ("bad_checksum", "checksum")])
