@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from rollout_sidecar.client.schema import BeginRequest, CommitResponse, LastPush
 from rollout_sidecar.server.errors import PushConflict
@@ -175,12 +176,8 @@ class PushSession:
 
     async def _prepare(self, push: Push, run: Callable[[Push], Awaitable[None]],
                        phase2_s: float) -> None:
-        try:
-            await run(push)
-        except Exception as e:
-            open_ = e.session_open if isinstance(e, PushFailed) else True
-            async with self.lock:
-                await self.fail(push, str(e), session_open=open_)
+        ok, _ = await self._attempt(push, run)
+        if not ok:
             return
         async with self.lock:
             if self.current is push and push.state is PushState.VERIFYING:
@@ -190,15 +187,21 @@ class PushSession:
                 push.prepared.set_result(True)
 
     async def _run(self, push: Push, run: Callable[[Push], Awaitable[CommitResponse]]) -> None:
+        ok, resp = await self._attempt(push, run)
+        if ok:
+            async with self.lock:
+                self.committed(push, resp)
+
+    async def _attempt(self, push: Push, run: Callable[[Push], Awaitable[Any]]
+                       ) -> tuple[bool, Any]:
+        """One phase's work, outside the lock; a failure ends the push."""
         try:
-            resp = await run(push)
+            return True, await run(push)
         except Exception as e:
             open_ = e.session_open if isinstance(e, PushFailed) else True
             async with self.lock:
                 await self.fail(push, str(e), session_open=open_)
-            return
-        async with self.lock:
-            self.committed(push, resp)
+            return False, None
 
 
 def _answer(result: CommitResponse | LastPush) -> CommitResponse:
