@@ -27,6 +27,8 @@ Float = Annotated[float, BeforeValidator(_no_bool)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0), BeforeValidator(_no_bool)]],
                      Field(min_length=1)]
 Bool = Annotated[bool, Strict()]  # true or false, not 1 or "yes"
+# Constraints before the validator, or the schema of `Port | None` shows raw ge/le.
+Port = Annotated[int, Field(ge=1, le=65535), BeforeValidator(_no_bool)]
 
 
 def _not_null(schema: dict[str, Any]) -> None:
@@ -272,15 +274,10 @@ class ConnectRequest(_Strict):
                             "(rank 0) plus every worker of every replica.")
     rank_offset: Int = Field(1, ge=1, description="This server's first worker rank; its "
                              "workers take rank_offset .. rank_offset + data_plane_ranks - 1.")
-    store_host: str | None = Field(None, max_length=255, description="Rendezvous store "
+    store_host: str | None = Field(None, max_length=255, description="Rendezvous store host "
                                    "(another replica's data plane); default: this server's.")
-    store_port: Int | None = Field(None, ge=1, le=65535)
-
-    @model_validator(mode="after")
-    def _store_pair(self) -> ConnectRequest:
-        if (self.store_host is None) != (self.store_port is None):
-            raise ValueError("store_host and store_port go together")
-        return self
+    store_port: Port | None = Field(None, description="Rendezvous store port; default: this "
+                                    "server's data-plane port.")
 
 
 class ConnectResponse(BaseModel):

@@ -249,9 +249,12 @@ class WeightPusher:
         """Abort on every replica that holds the push (a failed one already
         ended it); the group is out of step with at least one of them."""
         assert self.replicas is not None
-        self.transport.reset()
+        # The servers first, so each records the trainer's reason; aborting
+        # our side of the group first would fail their receives with a
+        # connection error that races the abort.
         self.replicas.each(lambda a, i: a.abort(push_ids[i], reason)
                            if push_ids[i] is not None else None)
+        self.transport.reset()
 
     def _finish(self, push_ids: list[str], checksums: list[int],
                 err: tuple[str, str] | None, buckets: list, restarted: bool) -> PushResult:
@@ -278,8 +281,11 @@ class WeightPusher:
         outcomes = [ReplicaOutcome(u, "failed", None, str(r)) if isinstance(r, Exception)
                     else ReplicaOutcome(u, "committed", r.weight_version, None, r.timings)
                     for u, r in zip(rs.urls, committed, strict=True)]
-        if failures(committed):
+        if bad := failures(committed):
             self.transport.reset()
+            if len(bad) == len(committed):  # e.g. a load refused before touching the model
+                raise WeightPushError("push refused at the commit on every replica, nothing "
+                                      f"published: {describe(outcomes)}")
             raise PartialCommitError(
                 "every replica prepared the push, but the commit failed on some (a failed load "
                 f"answers 503 until a push succeeds): {describe(outcomes)}")

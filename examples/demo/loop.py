@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -163,6 +165,11 @@ def main() -> None:
         bar.close()
         _write_report(args.out, records, vars(args))
     dist.destroy_process_group()
+    # Skip interpreter finalisation, where gloo worker threads may still hold
+    # tensors and abort the process (pytorch/pytorch#179291): all is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _progress:
