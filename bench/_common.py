@@ -171,10 +171,16 @@ class Server:
 
 @contextlib.contextmanager
 def serve(model: Path | None, log: Path, max_model_len: int = 512,
-          ready_timeout_s: float = 600, env: dict[str, str] | None = None) -> Iterator[Server]:
+          ready_timeout_s: float = 600, env: dict[str, str] | None = None,
+          cpus: str | None = None, prefix: list[str] | None = None,
+          host: str | None = None) -> Iterator[Server]:
     """`rollout-sidecar serve` as a subprocess on free ports; always stopped on exit.
 
     Its own session, so the vLLM engine process it spawns is stopped with it.
+    `cpus` (a taskset list, e.g. "1") pins the server and its engine there,
+    OpenMP threads included. `prefix` runs it inside something (a network
+    namespace: netns.py), where it listens on every address and is reached at
+    `host`.
     """
     port, dp_port = free_port(), free_port()
     env = {**os.environ, "ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
@@ -182,7 +188,13 @@ def serve(model: Path | None, log: Path, max_model_len: int = 512,
            "ROLLOUT_SIDECAR_CACHE_DIR": str(CACHE), "PYTHONUNBUFFERED": "1", **ENGINE_ENV,
            **(env or {})}  # tokens given in `env` (shared by replicas) win
     api, admin = env["ROLLOUT_SIDECAR_API_TOKEN"], env["ROLLOUT_SIDECAR_ADMIN_TOKEN"]
-    cmd = [sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
+    if cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    if host is not None:
+        env["ROLLOUT_SIDECAR_HOST"] = "0.0.0.0"
+    cmd = list(prefix or [])
+    cmd += ["taskset", "-c", cpus] if cpus is not None else []
+    cmd += [sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
            "--data-plane-port", str(dp_port), "--max-model-len", str(max_model_len),
            "--log-level", "warning"]
     if model is not None:
@@ -191,7 +203,7 @@ def serve(model: Path | None, log: Path, max_model_len: int = 512,
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", api, admin, proc, log)
+    server = Server(f"http://{host or '127.0.0.1'}:{port}", api, admin, proc, log)
     try:
         _wait_ready(server, ready_timeout_s)
         yield server

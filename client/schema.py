@@ -278,6 +278,10 @@ class ConnectRequest(_Strict):
                                    "(another replica's data plane); default: this server's.")
     store_port: Port | None = Field(None, description="Rendezvous store port; default: this "
                                     "server's data-plane port.")
+    fanout: Literal["broadcast", "chain"] = Field(
+        "broadcast", description="How each bucket reaches every rank: one broadcast, or "
+        "(gloo) a chain that relays it piece by piece from rank to rank, so rank 0 sends it "
+        "once however many replicas listen.")
 
 
 class ConnectResponse(BaseModel):

@@ -81,14 +81,15 @@ class WeightAdminClient:
     def connect(self, connection_id: str, backend: str, timeout_s: float,
                 takeover: bool = False, lease_wait_s: float = 60.0, *,
                 trainer_id: str | None = None, world_size: int = 2, rank_offset: int = 1,
-                store: tuple[str, int] | None = None) -> ConnectResponse:
+                store: tuple[str, int] | None = None,
+                fanout: str = "broadcast") -> ConnectResponse:
         """While another connection's lease runs (a trainer that just restarted
         finds its old self there), wait as the server's Retry-After says, up to
         `lease_wait_s`; a trainer that is really pushing keeps renewing it, and
         then this raises with the server's reason."""
         body = {"connection_id": connection_id, "backend": backend, "timeout_s": timeout_s,
                 "takeover": takeover, "trainer_id": trainer_id, "world_size": world_size,
-                "rank_offset": rank_offset}
+                "rank_offset": rank_offset, "fanout": fanout}
         if store is not None:
             body.update(store_host=store[0], store_port=store[1])
         deadline = time.monotonic() + lease_wait_s

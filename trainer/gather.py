@@ -1,9 +1,11 @@
 """Full tensors out of a (possibly sharded, offloaded) model, one at a time.
 
 Every rank walks the same plan in the same order, so each collective
-(FSDP2 `full_tensor()`, FSDP1 `summon_full_params`) is entered by all ranks
-together. Memory stays bounded: FSDP2 materialises one parameter at a time,
-FSDP1 one FSDP unit at a time.
+(FSDP2 `full_tensor()` or row blocks, FSDP1 `summon_full_params`) is entered
+by all ranks together. Memory stays bounded: FSDP2 materialises one parameter
+at a time, and one larger than `block_bytes` comes to rank 0 alone as
+`RowBlocks`, one block of rows at a time (row_blocks.py); FSDP1 one FSDP unit
+at a time.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from rollout_sidecar.trainer.names import normalize_name
+from rollout_sidecar.trainer.row_blocks import BlockBuffer, RowBlocks, row_blockable
 
 
 class MetaDeviceError(RuntimeError):
@@ -101,11 +104,16 @@ def _unit_prefix(root: nn.Module, unit: nn.Module) -> str:
 
 
 def iter_full_tensors(model: nn.Module, device: torch.device | None = None,
-                      buffers: Sequence[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+                      buffers: Sequence[str] = (), block_bytes: int | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
     """Yield (normalised name, full tensor) in `param_plan` order, on every rank.
 
     `device` is the compute device for gathers; params offloaded to the CPU are
     brought there for the all-gather only, and nothing new stays on it.
+    With `block_bytes` (the same on every rank), an FSDP2 parameter larger than
+    that comes as `RowBlocks` instead of a tensor: the consumer draws its
+    blocks; whatever it left is drawn here before the next parameter, so the
+    ranks' collectives stay in step.
     Buffers need no collective, so a rank that only takes part in the gathers
     may leave `buffers` empty.
     """
@@ -113,24 +121,35 @@ def iter_full_tensors(model: nn.Module, device: torch.device | None = None,
     if _is_fsdp1(model):
         yield from _iter_fsdp1(model)
     else:
+        buffer = BlockBuffer(block_bytes or 0)  # one for every parameter's blocks
         for name, p in model.named_parameters():
-            yield normalize_name(name), _full(p.detach(), device)
+            p = p.detach()
+            if row_blockable(p, block_bytes):
+                blocks = RowBlocks(p, block_bytes, _mesh_device(p, device), buffer)
+                yield normalize_name(name), blocks
+                blocks.drain()
+            else:
+                yield normalize_name(name), _full(p, device)
     bufs = persistent_buffers(model) if buffers else {}
     for name in buffers:
         yield name, bufs[name].detach()
 
 
+def _mesh_device(p: torch.Tensor, device: torch.device | None) -> torch.device:
+    if device is not None:
+        return device
+    mesh_type = p.device_mesh.device_type
+    return torch.device(mesh_type, torch.accelerator.current_device_index()) \
+        if mesh_type != "cpu" else torch.device("cpu")
+
+
 def _full(p: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     if not hasattr(p, "full_tensor"):
         return p
-    mesh_type = p.device_mesh.device_type
-    if device is None:
-        device = torch.device(mesh_type, torch.accelerator.current_device_index()) \
-            if mesh_type != "cpu" else torch.device("cpu")
     # Offloaded (CPUOffloadPolicy, or moved by hand): the all-gather must run on
     # the mesh's device. The moved copy is a temporary and is freed after this.
-    if p.to_local().device.type != mesh_type:
-        p = p.to(device)
+    if p.to_local().device.type != p.device_mesh.device_type:
+        p = p.to(_mesh_device(p, device))
     return p.full_tensor()
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rollout_sidecar.trainer.gather import ParamInfo
+from rollout_sidecar.trainer.row_blocks import RowBlocks
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -64,11 +65,15 @@ class CheckpointLayout:
                     self._revert(p.name, meta).items()]
         return out
 
-    def convert(self, tensors: Iterable[tuple[str, torch.Tensor]]
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, tensor) pairs, in `plan` order."""
+    def convert(self, tensors: Iterable[tuple[str, torch.Tensor | RowBlocks]]
+                ) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
+        """(checkpoint name, tensor) pairs, in `plan` order. A conversion
+        needs the whole tensor: row blocks are joined first (rank 0 then holds
+        that tensor whole, as `full_tensor()` would)."""
         for name, full in tensors:
             if self.active:
+                if isinstance(full, RowBlocks):
+                    full = full.materialize()
                 yield from self._revert(name, full).items()
             else:
                 yield name, full

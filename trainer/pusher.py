@@ -96,11 +96,12 @@ class WeightPusher:
             listed replica takes part in every push.
         admin_token: weights token (default $ROLLOUT_SIDECAR_ADMIN_TOKEN).
         transport: "gloo" (host memory), "nccl" (GPU to GPU) or "http".
-        bucket_mb: bucket size; rank 0's extra peak is about 2 x bucket (two
-            send buffers: a tensor larger than a bucket is split across
-            buckets) plus the largest tensor gathered (FSDP materialises one
-            full tensor at a time). The server copies each split tensor once
-            while loading (see server/weights/staging.py).
+        bucket_mb: bucket size; rank 0's extra peak is about 3 x bucket: two
+            send buffers (a tensor larger than a bucket is split across
+            buckets) plus one gather (FSDP2 brings a parameter larger than a
+            bucket to rank 0 in blocks of rows, see `row_blocks`; FSDP1
+            gathers one unit at a time). The server copies each split tensor
+            once while loading (see server/weights/staging.py).
         device: compute device for FSDP gathers (default: the mesh's device).
         data_plane_host: where the server's TCPStore listens (default: url host).
         verify: after each commit, probe the server against this trainer's own
@@ -123,6 +124,14 @@ class WeightPusher:
         split_tensors: False gives a tensor larger than a bucket a bucket of
             its own instead of splitting it (for servers that predate chunked
             manifests); the send buffers then grow to 2 x the largest tensor.
+        fanout: how each bucket reaches every receiver over gloo/NCCL:
+            "broadcast", "chain" (gloo only: rank 0 sends it once and each
+            receiver relays it to the next, so the trainer's link carries each
+            bucket once however many replicas listen), or "auto" (chain for
+            gloo with more than one receiver, else broadcast).
+        row_blocks: False gathers every FSDP2 parameter whole with
+            `full_tensor()` (on every rank at once) instead of bringing those
+            larger than a bucket to rank 0 in blocks of rows.
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, admin_token: str | None = None,
@@ -132,10 +141,12 @@ class WeightPusher:
                  verify_every: int = 1, commit_policy: str | None = None,
                  on_server_restart: Literal["repush", "raise"] = "repush",
                  takeover: bool = False, lease_wait_s: float = 60.0,
-                 split_tensors: bool = True) -> None:
+                 split_tensors: bool = True, row_blocks: bool = True,
+                 fanout: Literal["auto", "broadcast", "chain"] = "auto") -> None:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.split_tensors = split_tensors
+        self.row_blocks = row_blocks
         self.device = device
         self.verify, self.verify_tolerance = verify, verify_tolerance
         self.verify_every = max(1, verify_every)
@@ -154,7 +165,7 @@ class WeightPusher:
                 self.transport = HttpTransport(self.replicas)
             elif transport in ("gloo", "nccl"):
                 self.transport = DistributedTransport(self.replicas, transport, data_plane_host,
-                                                      takeover, lease_wait_s)
+                                                      takeover, lease_wait_s, fanout)
             else:
                 raise ValueError(f"transport must be gloo, nccl or http, not {transport!r}")
 
@@ -181,9 +192,13 @@ class WeightPusher:
 
         begun = self._agree(lambda: self._begin(model, version) if self.rank == 0 else None)
         t_begun = time.perf_counter()
+        # Rank 0's setting for every rank: row blocks are collectives. Half a
+        # bucket: rank 0 then holds two send buffers plus at most 0.75 bucket
+        # of a gather (a block, or a whole gather of at most a quarter bucket).
+        block_bytes = self._broadcast(self.bucket_bytes // 2 if self.row_blocks else None)
         if self.rank == 0:
             buckets, push_ids, buffers, restarted = begun
-            gathers = iter_full_tensors(model, self.device, buffers)
+            gathers = iter_full_tensors(model, self.device, buffers, block_bytes)
             try:
                 checksums, err = self._sender.send_all(
                     buckets, CheckpointLayout(model).convert(gathers), self.transport, push_ids)
@@ -192,7 +207,7 @@ class WeightPusher:
             for _ in gathers:  # finish every gather the other ranks are in
                 pass
         else:
-            for _ in iter_full_tensors(model, self.device):  # take part in every gather
+            for _ in iter_full_tensors(model, self.device, (), block_bytes):  # every gather
                 pass
         t_sent = time.perf_counter()
         outcome: PushResult = self._agree(

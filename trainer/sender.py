@@ -6,7 +6,9 @@ NaN/inf (after the cast, so an fp16 overflow counts). A tensor split across
 buckets (buckets.py) is drawn from the gathers once, at its first chunk, and
 kept until its last chunk is packed; each chunk casts and checks its own
 elements, so every element is cast and checked exactly once, and no cast copy
-of the whole tensor is ever made. After the first error
+of the whole tensor is ever made. A large FSDP2 parameter arrives as row
+blocks (row_blocks.py) rather than whole: a `FlatCursor` draws them as the
+chunks need them, so rank 0 holds one block besides the two buffers. After the first error
 the loop keeps drawing tensors, so rank 0 keeps taking part in every FSDP
 gather and no peer is left blocked, but sends nothing more. Every exception
 becomes the returned error, never a raise: the pusher then agrees on it with
@@ -21,8 +23,10 @@ from typing import Any
 
 import torch
 
+from rollout_sidecar.trainer.finite import all_finite
+from rollout_sidecar.trainer.row_blocks import FlatCursor, RowBlocks
+
 Error = tuple[str, str]  # (kind, message); kinds map to exception types in pusher.py
-FINITE_BLOCK = 1 << 20  # elements per NaN/inf check: bounds its temporaries to a few MiB
 
 
 def crc32(buf: torch.Tensor) -> int:
@@ -58,8 +62,8 @@ class BucketSender:
             for s in b.slots:
                 if s.first:  # gathered on every rank, same order; a split tensor once
                     name, full = next(tensors)
-                    if not s.last and err is None:
-                        full, err = _flattened(name, full)
+                    if (not s.last or isinstance(full, RowBlocks)) and err is None:
+                        full, err = _cursor(name, full)
                 if err is None:
                     err = _pack(buf, s, name, full)
                 if s.last:
@@ -83,44 +87,38 @@ class BucketSender:
         return checksums, err
 
 
-def _flattened(name: str, full: torch.Tensor) -> tuple[torch.Tensor | None, Error | None]:
-    """A split tensor, flat, once for all its chunks: a view, or (not
-    contiguous) one copy, never one per chunk."""
+def _cursor(name: str, full: torch.Tensor | RowBlocks
+            ) -> tuple[FlatCursor | None, Error | None]:
+    """A split tensor (or row blocks), flat, once for all its chunks: a view,
+    or (not contiguous) one copy, never one per chunk."""
     try:
-        return full.reshape(-1), None
+        return FlatCursor(full), None
     except Exception as e:
         return None, ("push", f"packing {name} failed: {type(e).__name__}: {e}")
 
 
-def _pack(buf: torch.Tensor, slot: Any, name: str, full: torch.Tensor) -> Error | None:
-    """Cast `full` (a split tensor: flat, and only the slot's chunk) into the bucket."""
+def _pack(buf: torch.Tensor, slot: Any, name: str, full: torch.Tensor | FlatCursor
+          ) -> Error | None:
+    """Cast `full` (a tensor, or a cursor over a split or row-blocked one: only
+    the slot's chunk) into the bucket."""
     if name != slot.name:
         return ("push", f"gather order changed: got {name}, planned {slot.name}")
     try:
         view = buf[slot.offset: slot.offset + slot.nbytes].view(slot.dtype)
-        if slot.chunk_offset is None:
+        if isinstance(full, torch.Tensor):
             view.view(slot.shape).copy_(full)
         elif full.numel() * slot.dtype.itemsize != slot.tensor_nbytes:
             return ("push", f"packing {name} failed: {full.numel()} elements, planned "
                     f"shape {list(slot.shape)}")
         else:
-            first = slot.chunk_offset // slot.dtype.itemsize
-            view.copy_(full[first: first + view.numel()])
-        if slot.dtype.is_floating_point and not _all_finite(view):
+            full.copy_to(view, (slot.chunk_offset or 0) // slot.dtype.itemsize)
+        if slot.dtype.is_floating_point and not all_finite(view):
             return ("nonfinite", f"refusing to push: {name} holds NaN or inf (first such "
                     f"tensor, after casting to {slot.dtype}); the server keeps serving the "
                     "previous version")
     except Exception as e:  # an OOM, a shape mismatch: agreed on with the other ranks
         return ("push", f"packing {name} failed: {type(e).__name__}: {e}")
     return None
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """`isfinite(t).all()` in blocks: over a whole bucket its temporaries
-    (abs, three bool masks) would add ~2.5 x the bucket to rank 0's peak."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[i: i + FINITE_BLOCK]).all())
-               for i in range(0, flat.numel(), FINITE_BLOCK))
 
 
 def _wait(work: Any, what: str) -> Error | None:

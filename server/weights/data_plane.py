@@ -77,6 +77,9 @@ class DataPlane:
         now = time.monotonic()
         old = self.owner
         workers = self.llm.vllm_config.parallel_config.world_size_across_dp
+        if req.fanout == "chain" and req.backend != "gloo":
+            raise BadRequest("fanout chain relays host memory: gloo only (NCCL's broadcast "
+                             "is already a pipelined ring)", "fanout")
         if req.rank_offset + workers > req.world_size:
             raise BadRequest(f"rank_offset {req.rank_offset} + this server's {workers} "
                              f"data-plane ranks exceed world_size {req.world_size}",
@@ -98,7 +101,7 @@ class DataPlane:
             store_host=req.store_host or own_store, store_port=req.store_port or self.port,
             connection_id=req.connection_id, backend=req.backend, timeout_s=timeout,
             world_size=req.world_size, rank_offset=req.rank_offset,
-            staging=self.settings.weight_staging))
+            staging=self.settings.weight_staging, fanout=req.fanout))
         deadline = now + timeout
         while True:  # short RPCs: the engine core schedules generation in between
             conn = (await self.side(SideOp.STATE))["connection"]

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 
-def crc32(buf: torch.Tensor) -> int:
-    """CRC-32 of a contiguous uint8 CPU tensor (zlib releases the GIL)."""
-    return zlib.crc32(memoryview(buf.numpy()))
+def crc32(buf: torch.Tensor, running: int = 0) -> int:
+    """CRC-32 of a contiguous uint8 CPU tensor (zlib releases the GIL);
+    `running`: the CRC of the bytes before it."""
+    return zlib.crc32(memoryview(buf.numpy()), running)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -34,6 +34,7 @@ from rollout_sidecar.trainer.transport.broadcast_group import (
     TRAINER_RANK,
     broadcast_group,
     close_group,
+    receive_bucket,
 )
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class StagedInitInfo(WeightTransferInitInfo):
     world_size: int = 2
     rank_offset: int = 1
     staging: str = "auto"  # NCCL only: "device" stages in GPU memory, else pinned host
+    fanout: str = "broadcast"  # or "chain" (gloo): see broadcast_group.py
 
 
 @dataclass
@@ -212,6 +214,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         return torch.device("cpu")
 
     def _receive_all(self) -> None:
+        if self._joiner.info.fanout == "chain":
+            return self._receive_chain()
         try:
             pending = None
             bounce = None
@@ -231,6 +235,25 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 pending = b
             if pending is not None and pending.buffer.is_cpu:
                 pending.checksum = crc32(pending.buffer)
+        except BaseException as e:  # reported by SideOp.STATE and WorkerOp.WAIT
+            self._error = e
+            log.warning("weight receive failed: %s", e)
+
+    def _receive_chain(self) -> None:
+        """Each bucket from the previous rank, forwarded to the next; its CRC
+        runs over each piece while the next one arrives."""
+        j = self._joiner
+        try:
+            for b in self.staging.buckets:
+                crc = 0
+
+                def add(piece: torch.Tensor) -> None:
+                    nonlocal crc
+                    crc = crc32(piece, crc)
+
+                receive_bucket(self.group, b.buffer, j.rank, j.info.world_size, "chain", add)
+                b.checksum = crc
+                b.received = True
         except BaseException as e:  # reported by SideOp.STATE and WorkerOp.WAIT
             self._error = e
             log.warning("weight receive failed: %s", e)

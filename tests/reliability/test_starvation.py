@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -12,19 +13,37 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = pytest.mark.slow
 
 
-def gauge(server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+def sample(metrics_text: str, name: str) -> float:
+    return next(s.value for f in text_string_to_metric_families(metrics_text) for s in f.samples
                 if s.name == name)
+
+
+def gauge(server, name: str) -> float:
+    return sample(httpx.get(server.url + "/metrics", timeout=30).text, name)
 
 
 def test_work_of_a_client_that_left_is_cancelled(reliable):
     headers = {"Authorization": f"Bearer {reliable.api_token}"}
     flood = {"prompt_token_ids": [[1, 2, 3]] * 64,  # 4096 sequences x 400 tokens: minutes
              "sampling": {"n": 64, "max_tokens": 400, "seed": 0}}
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up and disconnects
-        httpx.post(reliable.url + "/generate", json=flood, headers=headers, timeout=3)
-    assert gauge(reliable, "rollout_sidecar_engine_unfinished_requests") > 0  # it had started
+
+    async def post_then_leave() -> None:
+        # The client leaves only once the engine holds its work: leaving after a fixed
+        # timeout raced the server's own abort (the gauge could already read 0 again).
+        async with httpx.AsyncClient(timeout=600) as client:
+            post = asyncio.create_task(client.post(reliable.url + "/generate", json=flood,
+                                                   headers=headers))
+            deadline = time.monotonic() + 120
+            unfinished = "rollout_sidecar_engine_unfinished_requests"
+            while sample((await client.get(reliable.url + "/metrics")).text, unfinished) == 0:
+                assert not post.done(), post.result().text
+                assert time.monotonic() < deadline, "the flood never reached the engine"
+                await asyncio.sleep(0.2)
+            post.cancel()  # closes the connection: the client has left
+            with pytest.raises(asyncio.CancelledError):
+                await post
+
+    asyncio.run(post_then_leave())
     deadline = time.monotonic() + 60  # a bound far below the flood's own minutes
     while gauge(reliable, "rollout_sidecar_engine_unfinished_requests") > 0:
         assert time.monotonic() < deadline, "the flood kept running after its client left"

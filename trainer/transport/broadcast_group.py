@@ -9,17 +9,29 @@ replica its offset, so N replicas of W workers make a group of 1 + N * W.
 
 NCCL gets its timeout through its options (the plain constructor has none), so
 a dead peer raises after the deadline on both backends instead of hanging.
+
+Fan-out. NCCL's broadcast is already a pipelined ring. gloo's is a binomial
+tree of whole buffers: with two replicas rank 0 sends every bucket twice, one
+after the other, so a push to N receivers took about log2(N + 1) times one
+receiver's. `fanout="chain"` relays instead: rank 0 sends each bucket once, in
+`CHAIN_CHUNK_BYTES` pieces, to rank 1, which forwards each piece to rank 2
+while the next arrives, and so on; the last rank gets the bucket one piece
+after the first. The trainer asks for it at connect, so a server keeps
+following a trainer that predates it (plain broadcast).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch.distributed as dist
 
 TRAINER_RANK = 0
+CHAIN_CHUNK_BYTES = 16 << 20  # pipelines a 64+ MiB bucket; large enough to send at full speed
+Fanout = Literal["broadcast", "chain"]
 
 
 def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_size: int,
@@ -44,3 +56,50 @@ def close_group(group: Any) -> None:
         return
     with contextlib.suppress(Exception):
         group.abort()
+
+
+class _Works:
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def _pieces(buf: Any) -> list[Any]:
+    return [buf[i: i + CHAIN_CHUNK_BYTES] for i in range(0, buf.numel(), CHAIN_CHUNK_BYTES)]
+
+
+def send_bucket(group: Any, buf: Any, fanout: Fanout) -> Any:
+    """Rank 0: start sending one bucket (a flat uint8 tensor); returns what
+    to wait on before the buffer is reused."""
+    if fanout == "broadcast":
+        return group.broadcast(buf, TRAINER_RANK)
+    return _Works([group.send([p], TRAINER_RANK + 1, 0) for p in _pieces(buf)])
+
+
+def receive_bucket(group: Any, buf: Any, rank: int, world_size: int, fanout: Fanout,
+                   on_piece: Callable[[Any], None] | None = None) -> None:
+    """A receiver: fill `buf` (and, in a chain, pass it on); blocks until the
+    bucket is here and forwarded. `on_piece` sees each piece as it lands,
+    while the next one arrives (a chain) or the whole bucket (a broadcast)."""
+    if fanout == "broadcast":
+        group.broadcast(buf, TRAINER_RANK).wait()
+        if on_piece is not None:
+            on_piece(buf)
+        return
+    pieces = _pieces(buf)
+    forward = rank + 1 < world_size
+    sends = []
+    arriving = group.recv([pieces[0]], rank - 1, 0) if pieces else None
+    for k, piece in enumerate(pieces):
+        arriving.wait()
+        if k + 1 < len(pieces):  # posted before forwarding: the link never idles
+            arriving = group.recv([pieces[k + 1]], rank - 1, 0)
+        if forward:
+            sends.append(group.send([piece], rank + 1, 0))
+        if on_piece is not None:
+            on_piece(piece)
+    for w in sends:
+        w.wait()

@@ -2,8 +2,9 @@
 
 One group of its own: trainer rank 0 (the sender) plus every worker of every
 replica, rendezvoused through the first replica's TCPStore, so it never
-touches the trainer's FSDP process group. Each bucket is broadcast once from
-rank 0, however many replicas listen. Sends are asynchronous; the pusher
+touches the trainer's FSDP process group. Each bucket leaves rank 0 once,
+however many replicas listen: NCCL broadcasts it, gloo relays it down a chain
+of the receivers (broadcast_group.py). Sends are asynchronous; the pusher
 waits on a bucket's send only before reusing its buffer. The group's timeout
 is the servers' push deadline, so a dead server raises on this side as well.
 """
@@ -24,6 +25,7 @@ from rollout_sidecar.trainer.transport.broadcast_group import (
     TRAINER_RANK,
     broadcast_group,
     close_group,
+    send_bucket,
 )
 
 
@@ -33,7 +35,7 @@ class DistributedTransport:
 
     def __init__(self, replicas: ReplicaSet, backend: str = "gloo",
                  data_plane_host: str | None = None, takeover: bool = False,
-                 lease_wait_s: float = 60.0) -> None:
+                 lease_wait_s: float = 60.0, fanout: str = "auto") -> None:
         self.replicas = replicas
         self.backend = backend
         self.name = backend
@@ -41,6 +43,12 @@ class DistributedTransport:
         self.takeover = takeover
         self.lease_wait_s = lease_wait_s
         self.trainer_id = uuid.uuid4().hex[:12]
+        if fanout not in ("auto", "broadcast", "chain"):
+            raise ValueError(f"fanout must be auto, broadcast or chain, not {fanout!r}")
+        if fanout == "chain" and backend != "gloo":
+            raise ValueError("fanout chain is for gloo (NCCL's broadcast is a pipelined ring)")
+        self.fanout_setting = fanout
+        self.fanout = "broadcast"  # this connection's; decided at connect
         self.group: Any = None
         self.connection_id: str | None = None
         atexit.register(self.reset)  # never leave a live group to interpreter teardown
@@ -65,6 +73,11 @@ class DistributedTransport:
         for s in statuses:
             offsets.append(offsets[-1] + s.data_plane_ranks)
         world = offsets[-1]
+        # gloo's broadcast is a binomial tree of whole buffers: with more than
+        # one receiver rank 0 would send each bucket once per tree level, so
+        # relay it down a chain (bench/push_replicas.py measures both).
+        self.fanout = self.fanout_setting if self.fanout_setting != "auto" else (
+            "chain" if self.backend == "gloo" and world > 2 else "broadcast")
         # The first replica hosts the rendezvous; the others meet there.
         store_host = self.data_plane_host or urlparse(self.replicas.urls[0]).hostname \
             or "127.0.0.1"
@@ -86,7 +99,7 @@ class DistributedTransport:
         self.replicas.all(lambda admin, i: admin.connect(
             conn_id, self.backend, timeout_s, self.takeover, self.lease_wait_s,
             trainer_id=self.trainer_id, world_size=world, rank_offset=offsets[i],
-            store=None if i == 0 else (store_host, store_port)), "connect")
+            store=None if i == 0 else (store_host, store_port), fanout=self.fanout), "connect")
         joining.join(timeout_s)
         if "group" not in out:  # an abandoned join ends by its own timeout
             e = out.get("join_error")
@@ -95,7 +108,7 @@ class DistributedTransport:
         self.group = out["group"]
 
     def send(self, index: int, buf: torch.Tensor, push_id: Any, checksum: int | None) -> Any:
-        return self.group.broadcast(buf, TRAINER_RANK)
+        return send_bucket(self.group, buf, self.fanout)
 
     def reset(self) -> None:
         group, self.group = self.group, None

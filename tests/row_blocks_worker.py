@@ -1,0 +1,118 @@
+"""Run under torchrun (3 ranks, gloo): rank 0 packs an FSDP2 model's buckets
+with the pusher's own sender, its large parameters drawn as row blocks, and
+compares every tensor with torch's own full state dict. Rank 0 writes a JSON
+report; tests/test_row_blocks.py asserts on it.
+
+Shapes are chosen against the sharding: 301 rows over 3 ranks (101, 101, 99),
+a 2-row weight (the third rank holds none), a 1-D vector, a 3-D tensor.
+`--nan` puts a NaN in rank 1's rows of the embedding: the sender stops packing
+there, and every rank must still finish the same collectives after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BUCKET = 1024  # bytes: every large parameter spans many buckets and many blocks
+WIRE = torch.bfloat16
+
+
+def build() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.embed = nn.Embedding(301, 24)
+    m.narrow = nn.Linear(5, 2)  # weight (2, 5): rank 2 holds no rows
+    m.vec = nn.Parameter(torch.randn(1000))
+    m.cube = nn.Parameter(torch.randn(20, 3, 7))
+    m.head = nn.Linear(24, 301)
+    fully_shard(m)
+    return m
+
+
+def reassemble(buckets: list, sent: dict[int, bytes]) -> dict[str, torch.Tensor]:
+    parts: dict[str, list[tuple[int, bytes]]] = {}
+    shapes = {}
+    for b in buckets:
+        raw = sent[b.index]
+        for s in b.slots:
+            parts.setdefault(s.name, []).append((s.chunk_offset or 0,
+                                                 raw[s.offset: s.offset + s.nbytes]))
+            shapes[s.name] = (s.shape, s.dtype)
+    out = {}
+    for name, chunks in parts.items():
+        data = b"".join(c for _, c in sorted(chunks))
+        shape, dtype = shapes[name]
+        out[name] = torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    return out
+
+
+def main() -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from rollout_sidecar.trainer import row_blocks
+    from rollout_sidecar.trainer.buckets import plan_buckets
+    from rollout_sidecar.trainer.gather import iter_full_tensors, param_plan
+    from rollout_sidecar.trainer.sender import BucketSender
+    from tests.test_split_buckets import LoopbackTransport  # keeps a copy of every bucket
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--nan", action="store_true")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build()
+    if args.nan:
+        with torch.no_grad():
+            local = model.embed.weight.to_local()
+            if rank == 1:
+                local[50, 3] = float("nan")
+    drawn: list[int] = []  # bytes of every block rank 0 held
+    next_block = row_blocks.RowBlocks.next_block
+
+    def recorded(self):  # noqa: ANN001, ANN202
+        block = next_block(self)
+        if block is not None:
+            drawn.append(block.numel() * block.element_size())
+        return block
+
+    row_blocks.RowBlocks.next_block = recorded
+    kinds = {n: type(t).__name__ for n, t in iter_full_tensors(model, None, (), BUCKET)}
+    report: dict = {"kinds": kinds}
+    if rank == 0:
+        buckets = plan_buckets(param_plan(model), WIRE, BUCKET)
+        capture = LoopbackTransport()
+        gathers = iter_full_tensors(model, None, (), BUCKET)
+        _, err = BucketSender().send_all(buckets, gathers, capture, "t")
+        for _ in gathers:  # as the pusher does: finish every gather the peers are in
+            pass
+        report.update(error=err, buckets=len(buckets), largest_block=max(drawn))
+    else:
+        for _ in iter_full_tensors(model, None, (), BUCKET):
+            pass
+    # torch's own full state dict: the oracle, and a collective every rank must
+    # reach in step after the blocks (a rank left behind would hang here).
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        if err is None:
+            got = reassemble(buckets, capture.sent)
+            report["mismatched"] = [n for n, t in full.items() if not torch.equal(
+                got[n].view(torch.int16), t.to(WIRE).view(torch.int16))]
+            report["compared"] = sorted(got)
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: gloo can abort there (pytorch#179291)
+
+
+if __name__ == "__main__":
+    main()
