@@ -3,7 +3,7 @@
 Every rank walks the same plan in the same order, so each collective
 (FSDP2 `full_tensor()` or row blocks, FSDP1 `summon_full_params`) is entered
 by all ranks together. Memory stays bounded: FSDP2 materialises one parameter
-at a time, and one larger than `block_bytes` comes to rank 0 alone as
+at a time, and one larger than half of `block_bytes` comes to rank 0 alone as
 `RowBlocks`, one block of rows at a time (row_blocks.py); FSDP1 one FSDP unit
 at a time.
 """
@@ -111,7 +111,7 @@ def iter_full_tensors(model: nn.Module, device: torch.device | None = None,
     `device` is the compute device for gathers; params offloaded to the CPU are
     brought there for the all-gather only, and nothing new stays on it.
     With `block_bytes` (the same on every rank), an FSDP2 parameter larger than
-    that comes as `RowBlocks` instead of a tensor: the consumer draws its
+    half that comes as `RowBlocks` (see `row_blockable`) instead of a tensor: the consumer draws its
     blocks; whatever it left is drawn here before the next parameter, so the
     ranks' collectives stay in step.
     Buffers need no collective, so a rank that only takes part in the gathers

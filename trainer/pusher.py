@@ -98,9 +98,10 @@ class WeightPusher:
         transport: "gloo" (host memory), "nccl" (GPU to GPU) or "http".
         bucket_mb: bucket size; rank 0's extra peak is about 3 x bucket: two
             send buffers (a tensor larger than a bucket is split across
-            buckets) plus one gather (FSDP2 brings a parameter larger than a
-            bucket to rank 0 in blocks of rows, see `row_blocks`; FSDP1
-            gathers one unit at a time). The server copies each split tensor
+            buckets) plus at most 0.75 bucket of a gather (FSDP2 brings a
+            parameter larger than a quarter bucket to rank 0 in half-bucket
+            blocks of rows, see `row_blocks`; FSDP1 gathers one unit at a
+            time). The server copies each split tensor
             once while loading (see server/weights/staging.py).
         device: compute device for FSDP gathers (default: the mesh's device).
         data_plane_host: where the server's TCPStore listens (default: url host).
@@ -131,7 +132,7 @@ class WeightPusher:
             gloo with more than one receiver, else broadcast).
         row_blocks: False gathers every FSDP2 parameter whole with
             `full_tensor()` (on every rank at once) instead of bringing those
-            larger than a bucket to rank 0 in blocks of rows.
+            larger than a quarter bucket to rank 0 in blocks of rows.
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, admin_token: str | None = None,

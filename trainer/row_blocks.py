@@ -102,7 +102,7 @@ class RowBlocks:
         a = self._next_row
         b = min(self.shape[0], a + self.rows_per_block)
         if a >= b:
-            raise StopIteration("every block of this parameter was drawn")
+            raise RuntimeError("every block of this parameter was drawn already")
         self._next_row = b
         block = self._buffer.view((b - a, *self.shape[1:]), self.dtype, self.device) \
             if self._me == self._dst else None

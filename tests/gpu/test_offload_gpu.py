@@ -52,6 +52,33 @@ def test_fsdp2_cpu_offload_gathers_full_tensors_and_leaves_nothing_on_gpu():
         torch.testing.assert_close(got[k], v)
 
 
+def test_fsdp2_cpu_offload_row_blocks_gather_on_the_gpu_and_leave_nothing_there():
+    """Parameters over a quarter block come as row blocks: the offloaded rows
+    go to the GPU a block at a time, into one buffer freed with the walk."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from rollout_sidecar.trainer.gather import iter_full_tensors
+    from rollout_sidecar.trainer.row_blocks import RowBlocks
+
+    _single_rank_group()
+    ref = {k: v.clone() for k, v in _model().state_dict().items()}
+    m = _model().cuda()
+    for layer in (m[0], m[2]):
+        fully_shard(layer, offload_policy=CPUOffloadPolicy())
+    fully_shard(m, offload_policy=CPUOffloadPolicy())
+    before = torch.cuda.memory_allocated()
+    got, kinds = {}, {}
+    for n, t in iter_full_tensors(m, torch.device("cuda"), (), block_bytes=1024):
+        kinds[n] = type(t).__name__
+        got[n] = (t.materialize() if isinstance(t, RowBlocks) else t).cpu()
+    torch.cuda.synchronize()
+    assert kinds["0.weight"] == "RowBlocks"  # 16 KiB of fp32 rows, 1 KiB blocks
+    assert torch.cuda.memory_allocated() <= before
+    assert all(p.to_local().device.type == "cpu" for p in m.parameters())
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v)
+
+
 def test_params_moved_to_cpu_by_hand_are_gathered():
     from torch.distributed.fsdp import fully_shard
 
