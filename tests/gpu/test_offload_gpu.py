@@ -32,29 +32,10 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
 
 
-def test_fsdp2_cpu_offload_gathers_full_tensors_and_leaves_nothing_on_gpu():
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-    from rollout_sidecar.trainer.gather import iter_full_tensors
-
-    _single_rank_group()
-    ref = {k: v.clone() for k, v in _model().state_dict().items()}
-    m = _model().cuda()
-    for layer in (m[0], m[2]):
-        fully_shard(layer, offload_policy=CPUOffloadPolicy())
-    fully_shard(m, offload_policy=CPUOffloadPolicy())
-    before = torch.cuda.memory_allocated()
-    got = {n: t.cpu() for n, t in iter_full_tensors(m, torch.device("cuda"))}
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() <= before  # nothing new stays on the GPU
-    assert all(p.to_local().device.type == "cpu" for p in m.parameters())  # still offloaded
-    for k, v in ref.items():
-        torch.testing.assert_close(got[k], v)
-
-
-def test_fsdp2_cpu_offload_row_blocks_gather_on_the_gpu_and_leave_nothing_there():
-    """Parameters over a quarter block come as row blocks: the offloaded rows
-    go to the GPU a block at a time, into one buffer freed with the walk."""
+@pytest.mark.parametrize("block_bytes", [None, 1024], ids=["full_tensor", "row_blocks"])
+def test_fsdp2_cpu_offload_gathers_full_tensors_and_leaves_nothing_on_gpu(block_bytes):
+    """Row blocks (parameters over a quarter block): the offloaded rows go to
+    the GPU a block at a time, into one buffer freed with the walk."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from rollout_sidecar.trainer.gather import iter_full_tensors
@@ -68,13 +49,14 @@ def test_fsdp2_cpu_offload_row_blocks_gather_on_the_gpu_and_leave_nothing_there(
     fully_shard(m, offload_policy=CPUOffloadPolicy())
     before = torch.cuda.memory_allocated()
     got, kinds = {}, {}
-    for n, t in iter_full_tensors(m, torch.device("cuda"), (), block_bytes=1024):
+    for n, t in iter_full_tensors(m, torch.device("cuda"), (), block_bytes):
         kinds[n] = type(t).__name__
         got[n] = (t.materialize() if isinstance(t, RowBlocks) else t).cpu()
     torch.cuda.synchronize()
-    assert kinds["0.weight"] == "RowBlocks"  # 16 KiB of fp32 rows, 1 KiB blocks
-    assert torch.cuda.memory_allocated() <= before
-    assert all(p.to_local().device.type == "cpu" for p in m.parameters())
+    # 0.weight: 16 KiB of fp32 rows, 1 KiB blocks
+    assert kinds["0.weight"] == ("RowBlocks" if block_bytes else "Tensor")
+    assert torch.cuda.memory_allocated() <= before  # nothing new stays on the GPU
+    assert all(p.to_local().device.type == "cpu" for p in m.parameters())  # still offloaded
     for k, v in ref.items():
         torch.testing.assert_close(got[k], v)
 
