@@ -81,7 +81,7 @@ def _fmt(c: object) -> str:
 
 
 def default_model() -> Path:
-    from rollout_sidecar.server.default_model import ensure_default_model
+    from rollout_sidecar.server.model.default_model import ensure_default_model
 
     return ensure_default_model(CACHE)
 
@@ -96,7 +96,7 @@ def build_llama(hidden: int, intermediate: int, layers: int) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rollout_sidecar.server.default_model import (
+    from rollout_sidecar.server.model.default_model import (
         BOS_ID,
         EOS_ID,
         MODEL_CONFIG,

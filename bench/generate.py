@@ -143,7 +143,7 @@ def bench_hf(model: Path, prompts: list[list[int]], max_tokens: int, repeats: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout_sidecar.server.default_model import PAD_ID
+    from rollout_sidecar.server.model.default_model import PAD_ID
 
     dtype = getattr(torch, dtype_name)
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).eval()

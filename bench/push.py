@@ -65,8 +65,8 @@ def load_trainer_model(ckpt: Path, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def bucket_layout(model: torch.nn.Module, bucket_mb: float) -> list[int]:
-    from rollout_sidecar.trainer.buckets import plan_buckets
-    from rollout_sidecar.trainer.gather import param_plan
+    from rollout_sidecar.trainer.gather.full_tensors import param_plan
+    from rollout_sidecar.trainer.pack.buckets import plan_buckets
 
     return [b.nbytes for b in plan_buckets(param_plan(model), DTYPE, int(bucket_mb * MiB))]
 

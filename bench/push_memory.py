@@ -68,16 +68,16 @@ class DropTransport:
 
 
 def drawn(model: nn.Module, source: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from rollout_sidecar.trainer.gather import iter_full_tensors
+    from rollout_sidecar.trainer.gather.full_tensors import iter_full_tensors
 
     for name, t in iter_full_tensors(model):
         yield name, (t.clone() if source == "gathered" else t)
 
 
 def child(args: argparse.Namespace, source: str, split: bool, out: Any) -> None:
-    from rollout_sidecar.trainer.buckets import plan_buckets
-    from rollout_sidecar.trainer.gather import param_plan
-    from rollout_sidecar.trainer.sender import BucketSender
+    from rollout_sidecar.trainer.gather.full_tensors import param_plan
+    from rollout_sidecar.trainer.pack.buckets import plan_buckets
+    from rollout_sidecar.trainer.pack.sender import BucketSender
 
     torch.set_num_threads(1)
     model = build(args.hidden, args.layers, getattr(torch, args.trainer_dtype))

@@ -49,9 +49,9 @@ def build(hidden: int, layers: int, dtype: torch.dtype) -> nn.Module:
 def worker(args: argparse.Namespace) -> None:
     from _common import PeakRss
 
-    from rollout_sidecar.trainer.buckets import plan_buckets
-    from rollout_sidecar.trainer.gather import iter_full_tensors, param_plan
-    from rollout_sidecar.trainer.sender import BucketSender
+    from rollout_sidecar.trainer.gather.full_tensors import iter_full_tensors, param_plan
+    from rollout_sidecar.trainer.pack.buckets import plan_buckets
+    from rollout_sidecar.trainer.pack.sender import BucketSender
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

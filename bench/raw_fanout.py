@@ -19,7 +19,7 @@ def _run(rank: int, world: int, port: int, fanout: str, nbytes: int, bucket: int
          repeats: int, out: Any) -> None:
     import torch.distributed as dist
 
-    from rollout_sidecar.trainer.transport.broadcast_group import (
+    from rollout_sidecar.client.protocol.bucket_group import (
         broadcast_group,
         receive_bucket,
         send_bucket,

@@ -4,14 +4,14 @@ Needs only httpx and pydantic.
 """
 
 from rollout_sidecar.client.generation_client import AsyncGenerationClient, GenerationClient
-from rollout_sidecar.client.http import RetryPolicy, SidecarError
-from rollout_sidecar.client.router import ReplicaState
-from rollout_sidecar.client.schema import (
+from rollout_sidecar.client.protocol import (
     GenerateRequest,
     GenerateResponse,
     Sample,
     SamplingConfig,
 )
+from rollout_sidecar.client.replica_pool import ReplicaState
+from rollout_sidecar.client.request_plans import RetryPolicy, SidecarError
 
 __all__ = [
     "AsyncGenerationClient", "GenerationClient", "GenerateRequest", "GenerateResponse",

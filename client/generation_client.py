@@ -19,7 +19,14 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import httpx
 
-from rollout_sidecar.client.http import (
+from rollout_sidecar.client.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    SamplingConfig,
+)
+from rollout_sidecar.client.replica_pool import ReplicaPool, ReplicaState
+from rollout_sidecar.client.request_plans import (
     Call,
     Job,
     Plan,
@@ -28,13 +35,6 @@ from rollout_sidecar.client.http import (
     Send,
     Sleep,
     auth_headers,
-)
-from rollout_sidecar.client.router import ReplicaPool, ReplicaState
-from rollout_sidecar.client.schema import (
-    GenerateRequest,
-    GenerateResponse,
-    InfoResponse,
-    SamplingConfig,
 )
 
 P = ParamSpec("P")

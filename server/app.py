@@ -16,15 +16,19 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout_sidecar.server.config import ServerSettings
-from rollout_sidecar.server.engine import GenerationEngine
+from rollout_sidecar.server.engine.lifecycle import GenerationEngine
+from rollout_sidecar.server.engine.version_gate import MinVersionTimeout
 from rollout_sidecar.server.errors import BadRequest, PushConflict, ServiceUnavailable
-from rollout_sidecar.server.metrics import ServerMetrics
+from rollout_sidecar.server.generate import router as generate
+from rollout_sidecar.server.health import router as health
+from rollout_sidecar.server.metrics import router as metrics
+from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.middleware import DrainAndMeasure
-from rollout_sidecar.server.model_source import resolve_model
-from rollout_sidecar.server.openai_compat import build_state
+from rollout_sidecar.server.model.model_source import resolve_model
+from rollout_sidecar.server.openai_api import router as openai_api
+from rollout_sidecar.server.openai_api.compat import build_state
 from rollout_sidecar.server.openapi import install_openapi
-from rollout_sidecar.server.routes import generate, health, metrics, openai_api, weights
-from rollout_sidecar.server.version_gate import MinVersionTimeout
+from rollout_sidecar.server.weights import router as weights
 from rollout_sidecar.server.weights.service import TRANSPORTS, WeightService
 
 log = logging.getLogger("rollout_sidecar.server")

@@ -24,7 +24,7 @@ def serve(overrides: dict[str, Any]) -> None:
     from pydantic import ValidationError
 
     from rollout_sidecar.server.config import ServerSettings
-    from rollout_sidecar.server.model_source import ModelSourceError
+    from rollout_sidecar.server.model.model_source import ModelSourceError
     from rollout_sidecar.server.serve import run_server
 
     try:
@@ -49,7 +49,7 @@ app.command(name="serve")(with_settings_flags(serve))
 def model_init(out: Path = typer.Argument(..., help="Directory to write the checkpoint to.")
                ) -> None:
     """Write the deterministic default checkpoint (Llama, byte tokenizer) to OUT."""
-    from rollout_sidecar.server.default_model import write_default_model
+    from rollout_sidecar.server.model.default_model import write_default_model
 
     path = write_default_model(out)
     typer.echo(f"wrote {path}")

@@ -9,7 +9,7 @@ import uvicorn
 
 from rollout_sidecar.server.app import create_app
 from rollout_sidecar.server.config import ServerSettings
-from rollout_sidecar.server.model_source import check_max_model_len, resolve_model
+from rollout_sidecar.server.model.model_source import check_max_model_len, resolve_model
 
 log = logging.getLogger("rollout_sidecar.server")
 

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rollout_sidecar.client.protocol.wire_format import torch_dtype
+
 BUCKET = 1024  # bytes: every large parameter spans many buckets and many blocks
 WIRE = torch.bfloat16
 
@@ -42,10 +44,10 @@ def reassemble(buckets: list, sent: dict[int, bytes]) -> dict[str, torch.Tensor]
     shapes = {}
     for b in buckets:
         raw = sent[b.index]
-        for s in b.slots:
+        for s in b.params:
             parts.setdefault(s.name, []).append((s.chunk_offset or 0,
-                                                 raw[s.offset: s.offset + s.nbytes]))
-            shapes[s.name] = (s.shape, s.dtype)
+                                                 raw[s.offset: s.offset + s.length]))
+            shapes[s.name] = (s.shape, torch_dtype(s.dtype))
     out = {}
     for name, chunks in parts.items():
         data = b"".join(c for _, c in sorted(chunks))
@@ -57,10 +59,10 @@ def reassemble(buckets: list, sent: dict[int, bytes]) -> dict[str, torch.Tensor]
 def main() -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from rollout_sidecar.trainer import row_blocks
-    from rollout_sidecar.trainer.buckets import plan_buckets
-    from rollout_sidecar.trainer.gather import iter_full_tensors, param_plan
-    from rollout_sidecar.trainer.sender import BucketSender
+    from rollout_sidecar.trainer.gather import row_blocks
+    from rollout_sidecar.trainer.gather.full_tensors import iter_full_tensors, param_plan
+    from rollout_sidecar.trainer.pack.buckets import plan_buckets
+    from rollout_sidecar.trainer.pack.sender import BucketSender
     from tests.test_split_buckets import LoopbackTransport  # keeps a copy of every bucket
 
     ap = argparse.ArgumentParser()

@@ -26,7 +26,7 @@ from rollout_sidecar.client import (
     RetryPolicy,
     SidecarError,
 )
-from rollout_sidecar.client.router import ReplicaPool
+from rollout_sidecar.client.replica_pool import ReplicaPool
 
 FAST = RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.02)
 

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from rollout_sidecar.client.schema import GenerateResponse
-from rollout_sidecar.server.checkpoint_index import CheckpointIndex, TensorSpec
-from rollout_sidecar.trainer.buckets import plan_buckets
-from rollout_sidecar.trainer.gather import ParamInfo, param_plan, persistent_buffers
+from rollout_sidecar.client.protocol import GenerateResponse
+from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec
+from rollout_sidecar.trainer.gather.full_tensors import ParamInfo, param_plan, persistent_buffers
+from rollout_sidecar.trainer.pack.buckets import plan_buckets
 from rollout_sidecar.trainer.probe import default_tolerance, probe_token_ids
 
 
@@ -43,8 +43,8 @@ def test_buckets_carry_per_tensor_wire_dtypes():
     params = [ParamInfo("w", (8, 8), torch.float32), ParamInfo("bias", (3,), torch.float32),
               ParamInfo("table", (4,), torch.int64)]
     (b,) = plan_buckets(params, torch.bfloat16, 1 << 20, wire={"bias": torch.float32})
-    assert [(s.name, s.dtype, s.nbytes) for s in b.slots] == [
-        ("w", torch.bfloat16, 128), ("bias", torch.float32, 12), ("table", torch.int64, 32)]
+    assert [(s.name, s.dtype, s.length) for s in b.params] == [
+        ("w", "bfloat16", 128), ("bias", "float32", 12), ("table", "int64", 32)]
 
 
 def test_persistent_buffers_join_the_plan_after_the_parameters():
@@ -72,8 +72,8 @@ def test_transformers_moe_experts_are_pushed_in_checkpoint_layout(tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from rollout_sidecar.trainer.gather import iter_full_tensors
-    from rollout_sidecar.trainer.layout import CheckpointLayout
+    from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
+    from rollout_sidecar.trainer.gather.full_tensors import iter_full_tensors
     from tests.fidelity.zoo import write_family
 
     path = write_family("qwen3-moe", tmp_path / "m")
@@ -93,7 +93,7 @@ def test_transformers_moe_experts_are_pushed_in_checkpoint_layout(tmp_path):
 
 
 def test_models_without_conversions_pass_through():
-    from rollout_sidecar.trainer.layout import CheckpointLayout
+    from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
 
     m = torch.nn.Linear(2, 2)
     assert not CheckpointLayout(m).active

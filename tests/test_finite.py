@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_sidecar.trainer import finite
-from rollout_sidecar.trainer.finite import all_finite
+from rollout_sidecar.trainer.pack import finite
+from rollout_sidecar.trainer.pack.finite import all_finite
 
 INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16,
           torch.float32: torch.int32, torch.float64: torch.int64}

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout_sidecar.server.engine import GenerationEngine
-from rollout_sidecar.server.openai_compat import GatedEngineClient, LateSubmit, RequestTag
-from rollout_sidecar.server.version_gate import VersionGate
+from rollout_sidecar.server.engine.lifecycle import GenerationEngine
+from rollout_sidecar.server.engine.version_gate import VersionGate
+from rollout_sidecar.server.openai_api.compat import GatedEngineClient, LateSubmit, RequestTag
 
 
 @dataclass

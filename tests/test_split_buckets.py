@@ -12,14 +12,14 @@ import zlib
 import pytest
 import torch
 
-from rollout_sidecar.client.schema import BeginRequest
-from rollout_sidecar.server.checkpoint_index import CheckpointIndex, TensorSpec
+from rollout_sidecar.client.protocol import BeginRequest
 from rollout_sidecar.server.errors import BadRequest
+from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec
 from rollout_sidecar.server.weights.manifest_check import check_manifest
-from rollout_sidecar.server.weights.staging import Staging
-from rollout_sidecar.trainer.buckets import ALIGN, manifest, plan_buckets
-from rollout_sidecar.trainer.gather import ParamInfo
-from rollout_sidecar.trainer.sender import BucketSender
+from rollout_sidecar.server.weights.worker.staging import Staging
+from rollout_sidecar.trainer.gather.full_tensors import ParamInfo
+from rollout_sidecar.trainer.pack.buckets import ALIGN, manifest, plan_buckets
+from rollout_sidecar.trainer.pack.sender import BucketSender
 
 BUCKET = 4096
 WIRE = torch.bfloat16
@@ -65,23 +65,23 @@ def test_every_bucket_fits_and_chunks_cover_each_tensor_once(bucket):
     for b in buckets:
         assert 0 < b.nbytes <= bucket
         end = 0
-        for s in b.slots:
+        for s in b.params:
             assert s.offset >= end and s.offset % ALIGN == 0  # no overlap, aligned start
-            end = s.offset + s.nbytes
+            end = s.offset + s.length
             assert covered.get(s.name, 0) == (s.chunk_offset or 0)  # in order, no gap
-            covered[s.name] = covered.get(s.name, 0) + s.nbytes
+            covered[s.name] = covered.get(s.name, 0) + s.length
         assert end == b.nbytes
     want = {n: on_wire(t).numel() * on_wire(t).element_size() for n, t in model.items()}
     assert covered == want
     # A tensor that fits in a bucket is never split.
-    for s in (s for b in buckets for s in b.slots):
+    for s in (s for b in buckets for s in b.params):
         assert (s.chunk_offset is None) == (want[s.name] <= bucket), s
 
 
 def test_without_split_a_big_tensor_gets_a_bucket_of_its_own():
     params = [ParamInfo("small", (10,), torch.float32), ParamInfo("big", (10_000,), torch.float32)]
     buckets = plan_buckets(params, torch.float32, bucket_bytes=1000, split=False)
-    assert [[s.name for s in b.slots] for b in buckets] == [["small"], ["big"]]
+    assert [[s.name for s in b.params] for b in buckets] == [["small"], ["big"]]
     assert buckets[1].nbytes == 40_000
 
 
@@ -208,11 +208,11 @@ def push_and_stage(model: dict[str, torch.Tensor], bucket: int) -> tuple[Staging
     assert err is None
     assert drawn.draws == list(model)  # each tensor drawn once, split or not
     staging = Staging()
-    staging.prepare([b.model_dump() for b in req.buckets], torch.device("cpu"))  # as the server
+    staging.allocate(req.buckets, torch.device("cpu"))  # as the server
     for b in staging.buckets:
         b.buffer.copy_(torch.frombuffer(bytearray(wire.sent[b.index]), dtype=torch.uint8))
         b.received = True
-    staging.verify(checksums)
+    staging.check(checksums)
     assert checksums == [zlib.crc32(wire.sent[i]) for i in range(len(buckets))]
     return staging, buckets, sender, drawn.draws
 

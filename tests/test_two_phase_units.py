@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
-from rollout_sidecar.client.schema import BeginRequest, CommitResponse
+from rollout_sidecar.client.protocol import BeginRequest, CommitResponse
 from rollout_sidecar.server.errors import PushConflict
 from rollout_sidecar.server.weights.push_session import PushFailed, PushSession, PushState
-from rollout_sidecar.trainer.admin_client import WeightPushError
-from rollout_sidecar.trainer.replica_set import ReplicaSet
+from rollout_sidecar.trainer.control.admin_client import WeightPushError
+from rollout_sidecar.trainer.control.replica_admins import ReplicaSet
 
 BEGIN = BeginRequest(version=3, transport="gloo", connection_id="c",
                      buckets=[{"index": 0, "nbytes": 4, "params": []}])

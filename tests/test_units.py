@@ -7,11 +7,11 @@ import asyncio
 import pytest
 import torch
 
-from rollout_sidecar.client.schema import GenerateRequest, SamplingConfig
-from rollout_sidecar.server.version_gate import MinVersionTimeout, VersionGate
-from rollout_sidecar.trainer.buckets import ALIGN, plan_buckets
-from rollout_sidecar.trainer.gather import ParamInfo, meta_modules, param_plan
-from rollout_sidecar.trainer.names import normalize_name
+from rollout_sidecar.client.protocol import GenerateRequest, SamplingConfig
+from rollout_sidecar.server.engine.version_gate import MinVersionTimeout, VersionGate
+from rollout_sidecar.trainer.gather.full_tensors import ParamInfo, meta_modules, param_plan
+from rollout_sidecar.trainer.gather.names import normalize_name
+from rollout_sidecar.trainer.pack.buckets import ALIGN, plan_buckets
 
 
 @pytest.mark.parametrize("raw, clean", [
@@ -29,13 +29,13 @@ def test_normalize_name(raw, clean):
 def test_buckets_respect_size_alignment_and_order():
     params = [ParamInfo(f"p{i}", (1000 + i,), torch.float32) for i in range(50)]
     buckets = plan_buckets(params, torch.bfloat16, bucket_bytes=10_000)
-    names = [s.name for b in buckets for s in b.slots]
+    names = [s.name for b in buckets for s in b.params]
     assert names == [p.name for p in params]
     for b in buckets:
         assert b.nbytes <= 10_000
-        assert all(s.offset % ALIGN == 0 for s in b.slots)
-        ends = [s.offset + s.nbytes for s in b.slots]
-        assert all(e <= s2.offset for e, s2 in zip(ends, b.slots[1:], strict=False))
+        assert all(s.offset % ALIGN == 0 for s in b.params)
+        ends = [s.offset + s.length for s in b.params]
+        assert all(e <= s2.offset for e, s2 in zip(ends, b.params[1:], strict=False))
 
 
 def test_tied_weights_are_planned_once_and_meta_is_found():
@@ -117,9 +117,9 @@ def test_a_broken_gate_refuses_until_a_version_is_published():
 
 
 def test_manifest_check_refuses_partial_wrong_shape_and_dtype():
-    from rollout_sidecar.client.schema import BeginRequest
-    from rollout_sidecar.server.checkpoint_index import CheckpointIndex, TensorSpec
+    from rollout_sidecar.client.protocol import BeginRequest
     from rollout_sidecar.server.errors import BadRequest
+    from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec
     from rollout_sidecar.server.weights.manifest_check import check_manifest
 
     index = CheckpointIndex({"a": TensorSpec((4,), "bfloat16"), "b": TensorSpec((2, 2),

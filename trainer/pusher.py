@@ -28,32 +28,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rollout_sidecar.client.schema import ProbeRequest, ProbeResult, WeightIndex
-from rollout_sidecar.trainer.admin_client import (
+from rollout_sidecar.client.protocol import ProbeRequest, ProbeResult, WeightIndex
+from rollout_sidecar.trainer.control.admin_client import (
     NonFiniteWeightsError,
     ServerRestartedError,
     WeightMismatchError,
     WeightPushError,
 )
-from rollout_sidecar.trainer.buckets import manifest, plan_buckets
-from rollout_sidecar.trainer.gather import (
+from rollout_sidecar.trainer.control.replica_admins import (
+    ReplicaOutcome,
+    ReplicaSet,
+    describe,
+    failures,
+)
+from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
+from rollout_sidecar.trainer.gather.full_tensors import (
     MetaDeviceError,
     iter_full_tensors,
     meta_modules,
     param_plan,
     persistent_buffers,
 )
-from rollout_sidecar.trainer.layout import CheckpointLayout
+from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
+from rollout_sidecar.trainer.pack.sender import BucketSender
 from rollout_sidecar.trainer.probe import (
     Forward,
     default_tolerance,
     probe_token_ids,
     trainer_logprobs,
 )
-from rollout_sidecar.trainer.replica_set import ReplicaOutcome, ReplicaSet, describe, failures
-from rollout_sidecar.trainer.sender import BucketSender
 from rollout_sidecar.trainer.transport.distributed import DistributedTransport
-from rollout_sidecar.trainer.transport.http import HttpTransport
+from rollout_sidecar.trainer.transport.http_upload import HttpTransport
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ def _default_model_path() -> Path:
     # Deterministic recipe: the trainer and a server elsewhere build the very
     # same weights, so neither has to ship the checkpoint to the other.
     from rollout_sidecar.server.config import ServerSettings
-    from rollout_sidecar.server.default_model import ensure_default_model
+    from rollout_sidecar.server.model.default_model import ensure_default_model
 
     return ensure_default_model(ServerSettings().cache_dir)
 

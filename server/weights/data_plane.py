@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.client.schema import ConnectRequest, ConnectResponse
+from rollout_sidecar.client.protocol import ConnectRequest, ConnectResponse
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.weights.ops import WORKER_METHOD, SideOp
 

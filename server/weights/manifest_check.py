@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_sidecar.client.schema import BeginRequest, ParamSlot
-from rollout_sidecar.server.checkpoint_index import CheckpointIndex
+from rollout_sidecar.client.protocol import BeginRequest, TensorSlot
+from rollout_sidecar.client.protocol.wire_format import itemsize
 from rollout_sidecar.server.errors import BadRequest
-
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
-             "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 
 
 @dataclass
@@ -27,7 +25,7 @@ class _ChunkCoverage:
     def __init__(self) -> None:
         self.open: _Split | None = None
 
-    def size(self, p: ParamSlot, total: int, f: str) -> int:
+    def size(self, p: TensorSlot, total: int, f: str) -> int:
         """Bytes the entry occupies in its bucket; raise if it breaks coverage."""
         o = self.open
         if o is not None and (p.chunk_offset is None or p.name != o.name):
@@ -88,8 +86,8 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) 
                 raise BadRequest(f"{p.name}: dtype {p.dtype}, server expects {want} (floating "
                                  f"tensors travel in the serving dtype {serve_dtype}; the "
                                  "pusher casts: is it talking to another server?)", f"{f}.dtype")
-            size = chunks.size(p, _ITEMSIZE[p.dtype] * spec.numel, f)
-            if p.offset < end_prev or p.offset % _ITEMSIZE[p.dtype]:
+            size = chunks.size(p, itemsize(p.dtype) * spec.numel, f)
+            if p.offset < end_prev or p.offset % itemsize(p.dtype):
                 raise BadRequest(f"{p.name}: offset {p.offset} overlaps or is misaligned",
                                  f"{f}.offset")
             end_prev = p.offset + size

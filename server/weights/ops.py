@@ -16,10 +16,10 @@ WORKER_METHOD = "rollout_sidecar_call"
 
 
 class WorkerOp(str, Enum):
-    PREPARE = "prepare"  # HTTP transport: lay out staging for the manifest
+    ALLOCATE = "allocate"  # HTTP transport: lay out staging for the manifest
     RECEIVE = "receive"  # gloo/NCCL: receive every bucket in a background thread
     STAGE = "stage"  # one bucket's bytes, from an HTTP body
-    WAIT = "wait"  # join the receive, check every bucket's CRC
+    CHECK = "check"  # join the receive, check every bucket's CRC (phase 1: prepare)
     LOAD = "load"  # the commit: load the staged push, all of it or none of it
     ABORT = "abort"  # drop the staged push (raises, which ends vLLM's session)
 

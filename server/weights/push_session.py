@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from rollout_sidecar.client.schema import BeginRequest, CommitResponse, LastPush
+from rollout_sidecar.client.protocol import BeginRequest, CommitResponse, LastPush
 from rollout_sidecar.server.errors import PushConflict
 
 log = logging.getLogger(__name__)

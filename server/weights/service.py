@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.client.schema import (
+from rollout_sidecar.client.protocol import (
     BeginRequest,
     BeginResponse,
     CommitRequest,
@@ -47,7 +47,7 @@ from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.manifest_check import check_manifest
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.push_session import Push, PushFailed, PushSession, PushState
-from rollout_sidecar.server.weights.reload import UNTOUCHED
+from rollout_sidecar.server.weights.worker.reload import UNTOUCHED
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.5
@@ -135,7 +135,7 @@ class WeightService:
                                          self.settings.push_timeout_s)
             try:
                 await self.llm.start_weight_update()
-                await self._op(WorkerOp.PREPARE if req.transport == "http" else WorkerOp.RECEIVE,
+                await self._op(WorkerOp.ALLOCATE if req.transport == "http" else WorkerOp.RECEIVE,
                                manifest=[b.model_dump() for b in req.buckets])
             except Exception as e:  # a raising op already ended vLLM's session
                 if req.transport != "http":
@@ -194,7 +194,7 @@ class WeightService:
     async def _verify(self, push: Push, checksums: list[int]) -> None:
         """Every bucket arrived and matches its CRC; nothing is loaded."""
         try:
-            await self._op(WorkerOp.WAIT, checksums=checksums,
+            await self._op(WorkerOp.CHECK, checksums=checksums,
                            timeout_s=max(0.0, push.deadline - time.monotonic()))
         except Exception as e:
             raise PushFailed(f"push rejected, version {self.engine.gate.version} still "

@@ -37,7 +37,7 @@ def trainer_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int
 
 
 def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from rollout_sidecar.trainer.gather import iter_full_tensors
+    from rollout_sidecar.trainer.gather.full_tensors import iter_full_tensors
 
     return {n: t.detach().clone() for n, t in iter_full_tensors(model)}
 
@@ -153,7 +153,7 @@ def main() -> None:
 
 def _break_manifest(pusher) -> None:
     """Wrong shape for one tensor: the server must reject it at begin."""
-    from rollout_sidecar.trainer import buckets as b
+    from rollout_sidecar.trainer.pack import buckets as b
 
     orig = b.manifest
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rollout_sidecar.server.default_model import write_default_model
+from rollout_sidecar.server.model.default_model import write_default_model
 from tests.conftest import start_server, stop_server
 
 HUB_ID = "acme/tiny-llama-256"

@@ -15,7 +15,13 @@ from pathlib import Path
 
 import torch
 
-from rollout_sidecar.server.default_model import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
+from rollout_sidecar.server.model.default_model import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    VOCAB_SIZE,
+    write_tokenizer,
+)
 
 _COMMON = dict(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                pad_token_id=PAD_ID, hidden_size=128, intermediate_size=256,

@@ -38,8 +38,8 @@ def test_fsdp2_cpu_offload_gathers_full_tensors_and_leaves_nothing_on_gpu(block_
     the GPU a block at a time, into one buffer freed with the walk."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from rollout_sidecar.trainer.gather import iter_full_tensors
-    from rollout_sidecar.trainer.row_blocks import RowBlocks
+    from rollout_sidecar.trainer.gather.full_tensors import iter_full_tensors
+    from rollout_sidecar.trainer.gather.row_blocks import RowBlocks
 
     _single_rank_group()
     ref = {k: v.clone() for k, v in _model().state_dict().items()}
@@ -64,7 +64,7 @@ def test_fsdp2_cpu_offload_gathers_full_tensors_and_leaves_nothing_on_gpu(block_
 def test_params_moved_to_cpu_by_hand_are_gathered():
     from torch.distributed.fsdp import fully_shard
 
-    from rollout_sidecar.trainer.gather import iter_full_tensors
+    from rollout_sidecar.trainer.gather.full_tensors import iter_full_tensors
 
     _single_rank_group()
     ref = {k: v.clone() for k, v in _model().state_dict().items()}
@@ -81,7 +81,7 @@ def test_fsdp1_cpu_offload_gathers_full_tensors():
     from torch.distributed.fsdp import CPUOffload
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from rollout_sidecar.trainer.gather import iter_full_tensors
+    from rollout_sidecar.trainer.gather.full_tensors import iter_full_tensors
 
     _single_rank_group()
     ref = {k: v.clone() for k, v in _model().state_dict().items()}

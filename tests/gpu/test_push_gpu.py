@@ -37,7 +37,7 @@ class CapturingServer:
     """Fake admin client: answers the control plane, keeps the bucket bytes."""
 
     def __init__(self, checkpoint: dict[str, torch.Tensor], vocab: int) -> None:
-        from rollout_sidecar.client.schema import TensorInfo, WeightIndex, WeightStatus
+        from rollout_sidecar.client.protocol import TensorInfo, WeightIndex, WeightStatus
 
         self.status_ = WeightStatus(weight_version=0, dtype="bfloat16", vocab_size=vocab,
                                     max_model_len=512, boot_id="gpu-test", push_state="idle",
@@ -58,7 +58,7 @@ class CapturingServer:
         return self.index_
 
     def begin(self, version, transport, buckets, connection_id, commit_policy):  # noqa: ANN001, ANN201
-        from rollout_sidecar.client.schema import BeginResponse
+        from rollout_sidecar.client.protocol import BeginResponse
 
         self.manifest = buckets
         return BeginResponse(push_id="p", deadline_s=60, commit_policy="wait")
@@ -68,13 +68,13 @@ class CapturingServer:
         self.buckets[index] = data
 
     def prepare(self, push_id, checksums, timeout_s):  # noqa: ANN001, ANN201
-        from rollout_sidecar.client.schema import PrepareResponse
+        from rollout_sidecar.client.protocol import PrepareResponse
 
         assert [zlib.crc32(self.buckets[i]) for i in range(len(checksums))] == checksums
         return PrepareResponse(push_id=push_id, deadline_s=60, timings={})
 
     def commit(self, push_id, checksums, timeout_s):  # noqa: ANN001, ANN201
-        from rollout_sidecar.client.schema import CommitResponse
+        from rollout_sidecar.client.protocol import CommitResponse
 
         return CommitResponse(weight_version=1, push_id=push_id, commit_policy="wait",
                               timings={})
@@ -113,7 +113,7 @@ def _offloaded_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
 
 def _pusher(server: CapturingServer):  # noqa: ANN202
     from rollout_sidecar.trainer import WeightPusher
-    from rollout_sidecar.trainer.transport.http import HttpTransport
+    from rollout_sidecar.trainer.transport.http_upload import HttpTransport
 
     pusher = WeightPusher("http://unused", transport="http", verify=False, bucket_mb=0.25)
     pusher.replicas.admins = [server]

@@ -19,14 +19,14 @@ from urllib.parse import urlparse
 
 import torch
 
-from rollout_sidecar.trainer.admin_client import WeightPushError
-from rollout_sidecar.trainer.replica_set import ReplicaSet
-from rollout_sidecar.trainer.transport.broadcast_group import (
-    TRAINER_RANK,
+from rollout_sidecar.client.protocol.bucket_group import (
+    SENDER_RANK,
     broadcast_group,
     close_group,
     send_bucket,
 )
+from rollout_sidecar.trainer.control.admin_client import WeightPushError
+from rollout_sidecar.trainer.control.replica_admins import ReplicaSet
 
 
 class DistributedTransport:
@@ -86,7 +86,7 @@ class DistributedTransport:
 
         def join() -> None:
             try:
-                out["group"] = broadcast_group(store_host, store_port, conn_id, TRAINER_RANK,
+                out["group"] = broadcast_group(store_host, store_port, conn_id, SENDER_RANK,
                                                world, self.backend, timeout_s)
             except BaseException as e:
                 out["join_error"] = e

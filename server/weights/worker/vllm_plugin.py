@@ -27,8 +27,8 @@ def register() -> None:
     # Plugins may be loaded more than once per process.
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "rollout_sidecar.server.weights.worker_engine", "StagedWeightTransferEngine"
-        )
+            BACKEND, "rollout_sidecar.server.weights.worker.transfer_engine",
+            "StagedWeightTransferEngine")
     parent = multiprocessing.parent_process()
     if parent is None:
         return  # the API process itself: it owns its lifetime

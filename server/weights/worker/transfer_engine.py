@@ -1,10 +1,10 @@
-"""Our vLLM `WeightTransferEngine`: receive into staging, verify, load on commit.
+"""Our vLLM `WeightTransferEngine`: receive into staging, check, load on commit.
 
 Runs inside the vLLM worker process. The API process drives it with
 `WorkerOp`s through AsyncLLM's weight-update calls (any op that raises ends
 vLLM's update session), and with `SideOp`s through the worker method our
 plugin adds (see ops.py). The model changes only in `WorkerOp.LOAD`, and only
-with a complete, CRC-verified set of buckets; the load itself is
+with a complete, CRC-checked set of buckets; the load itself is
 all-or-nothing (reload.py). `finish_weight_update` just releases the staging:
 vLLM leaves its session open when that method raises, so nothing happens there.
 
@@ -26,16 +26,21 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout_sidecar.server.weights.fault_injection import apply_test_faults, crash_after_load
-from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
-from rollout_sidecar.server.weights.reload import load_all_or_nothing
-from rollout_sidecar.server.weights.staging import Staging, crc32
-from rollout_sidecar.trainer.transport.broadcast_group import (
-    TRAINER_RANK,
+from rollout_sidecar.client.protocol import BucketManifest
+from rollout_sidecar.client.protocol.bucket_group import (
+    SENDER_RANK,
     broadcast_group,
     close_group,
     receive_bucket,
 )
+from rollout_sidecar.client.protocol.wire_format import crc32
+from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
+from rollout_sidecar.server.weights.worker.fault_injection import (
+    apply_test_faults,
+    crash_after_load,
+)
+from rollout_sidecar.server.weights.worker.reload import load_all_or_nothing
+from rollout_sidecar.server.weights.worker.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +98,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self._joiner: _Joiner | None = None
         self._receiver: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._verified = False
+        self._checked = False
 
     # ------------------------------------------------------------ side channel
 
@@ -157,7 +162,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     def start_weight_update(self) -> None:
         self._error = None
-        self._verified = False
+        self._checked = False
         self.staging.release()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -172,26 +177,26 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     def receive_weights(self, info: StagedUpdateInfo) -> None:
         op = WorkerOp(info.op)
-        if op is WorkerOp.PREPARE:
-            self.staging.prepare(info.manifest or [], torch.device("cpu"))
+        if op is WorkerOp.ALLOCATE:
+            self.staging.allocate(_manifest(info), torch.device("cpu"))
         elif op is WorkerOp.RECEIVE:
             if self.group is None:
                 raise RuntimeError("data plane not connected; call /weights/connect first")
-            self.staging.prepare(info.manifest or [], self._staging_device())
+            self.staging.allocate(_manifest(info), self._staging_device())
             self._receiver = threading.Thread(target=self._receive_all, daemon=True,
                                               name="rollout-sidecar-recv")
             self._receiver.start()
         elif op is WorkerOp.STAGE:
             self._stage_http(info)
-        elif op is WorkerOp.WAIT:
+        elif op is WorkerOp.CHECK:
             if not self._join_receiver(timeout=info.timeout_s):
                 raise TimeoutError(f"buckets still arriving after {info.timeout_s:.0f}s")
             if self._error is not None:
                 raise RuntimeError(f"receive failed: {self._error}")
-            self.staging.verify(info.checksums or [])
-            self._verified = True
+            self.staging.check(info.checksums or [])
+            self._checked = True
         elif op is WorkerOp.LOAD:
-            if not self._verified:
+            if not self._checked:
                 raise RuntimeError("load before every bucket arrived and passed its CRC")
             weights = apply_test_faults(self.staging.tensors(), self.model_config.model)
             load_all_or_nothing(self.model, self.model_config, weights)
@@ -224,7 +229,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 bounce = torch.empty(size, dtype=torch.uint8, device=self.device)
             for b in self.staging.buckets:
                 target = b.buffer if bounce is None else bounce[: b.nbytes]
-                work = self.group.broadcast(target, TRAINER_RANK)
+                work = self.group.broadcast(target, SENDER_RANK)
                 # Checksum the previous bucket while this one arrives.
                 if pending is not None:
                     pending.checksum = crc32(pending.buffer) if pending.buffer.is_cpu else None
@@ -235,7 +240,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 pending = b
             if pending is not None and pending.buffer.is_cpu:
                 pending.checksum = crc32(pending.buffer)
-        except BaseException as e:  # reported by SideOp.STATE and WorkerOp.WAIT
+        except BaseException as e:  # reported by SideOp.STATE and WorkerOp.CHECK
             self._error = e
             log.warning("weight receive failed: %s", e)
 
@@ -254,7 +259,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 receive_bucket(self.group, b.buffer, j.rank, j.info.world_size, "chain", add)
                 b.checksum = crc
                 b.received = True
-        except BaseException as e:  # reported by SideOp.STATE and WorkerOp.WAIT
+        except BaseException as e:  # reported by SideOp.STATE and WorkerOp.CHECK
             self._error = e
             log.warning("weight receive failed: %s", e)
 
@@ -268,7 +273,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             raise ValueError(f"bucket {info.bucket}: {len(info.data)} bytes, expected {b.nbytes}")
         b.buffer.copy_(torch.frombuffer(bytearray(info.data), dtype=torch.uint8))
         b.received = True
-        b.checksum = None  # recomputed at verify: a re-sent bucket replaces the old bytes
+        b.checksum = None  # recomputed at the check: a re-sent bucket replaces the old bytes
 
     def _receiving(self) -> bool:
         return self._receiver is not None and self._receiver.is_alive()
@@ -277,7 +282,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         """Drop the staged push. A receive thread still blocked in recv may yet
         write into its buffers, so those are not pooled, and the group (now out
         of step with the trainer) is dropped: the trainer reconnects."""
-        self._verified = False
+        self._checked = False
         if self._join_receiver(timeout=0.0):
             self.staging.release()
         else:
@@ -292,3 +297,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             return False
         self._receiver = None
         return True
+
+
+def _manifest(info: StagedUpdateInfo) -> list[BucketManifest]:
+    # Dicts across vLLM's RPC (validated once already, at begin).
+    return [BucketManifest.model_validate(b) for b in info.manifest or []]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_sidecar.client.schema import (
+from rollout_sidecar.client.protocol import (
     GenerateRequest,
     GenerateResponse,
     PromptResult,
@@ -18,12 +18,12 @@ from rollout_sidecar.client.schema import (
     SamplingConfig,
     Usage,
 )
-from rollout_sidecar.server import request_checks
-from rollout_sidecar.server.checkpoint_index import CheckpointIndex
 from rollout_sidecar.server.config import ServerSettings
+from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.errors import BadRequest
-from rollout_sidecar.server.metrics import ServerMetrics
-from rollout_sidecar.server.version_gate import VersionGate
+from rollout_sidecar.server.generate import request_checks
+from rollout_sidecar.server.metrics.collectors import ServerMetrics
+from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from pydantic import BaseModel, ValidationError
 
 from rollout_sidecar.server.auth import require_api_token
 from rollout_sidecar.server.errors import BadRequest, ServiceUnavailable
-from rollout_sidecar.server.openai_compat import RequestTag, tagged_chunks
-from rollout_sidecar.server.routes.generate import until_disconnected
+from rollout_sidecar.server.generate.router import until_disconnected
+from rollout_sidecar.server.openai_api.compat import RequestTag, tagged_chunks
 
 log = logging.getLogger(__name__)
 router = APIRouter(dependencies=[Depends(require_api_token)], include_in_schema=False)

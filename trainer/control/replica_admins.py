@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from rollout_sidecar.client.replicas import expand_urls
-from rollout_sidecar.trainer.admin_client import WeightAdminClient, WeightPushError
+from rollout_sidecar.client.server_urls import expand_urls
+from rollout_sidecar.trainer.control.admin_client import WeightAdminClient, WeightPushError
 
 T = TypeVar("T")
 Outcome = Literal["committed", "refused", "aborted", "failed"]

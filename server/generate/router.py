@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from rollout_sidecar.client.schema import GenerateRequest, GenerateResponse
+from rollout_sidecar.client.protocol import GenerateRequest, GenerateResponse
 from rollout_sidecar.server.auth import require_api_token
 
 router = APIRouter()

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rollout_sidecar.trainer.names import normalize_name
-from rollout_sidecar.trainer.row_blocks import BlockBuffer, RowBlocks, row_blockable
+from rollout_sidecar.trainer.gather.names import normalize_name
+from rollout_sidecar.trainer.gather.row_blocks import BlockBuffer, RowBlocks, row_blockable
 
 
 class MetaDeviceError(RuntimeError):

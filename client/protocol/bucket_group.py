@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-TRAINER_RANK = 0
+SENDER_RANK = 0
 CHAIN_CHUNK_BYTES = 16 << 20  # pipelines a 64+ MiB bucket; large enough to send at full speed
 Fanout = Literal["broadcast", "chain"]
 
@@ -75,8 +75,8 @@ def send_bucket(group: Any, buf: Any, fanout: Fanout) -> Any:
     """Rank 0: start sending one bucket (a flat uint8 tensor); returns what
     to wait on before the buffer is reused."""
     if fanout == "broadcast":
-        return group.broadcast(buf, TRAINER_RANK)
-    return _Works([group.send([p], TRAINER_RANK + 1, 0) for p in _pieces(buf)])
+        return group.broadcast(buf, SENDER_RANK)
+    return _Works([group.send([p], SENDER_RANK + 1, 0) for p in _pieces(buf)])
 
 
 def receive_bucket(group: Any, buf: Any, rank: int, world_size: int, fanout: Fanout,
@@ -85,7 +85,7 @@ def receive_bucket(group: Any, buf: Any, rank: int, world_size: int, fanout: Fan
     bucket is here and forwarded. `on_piece` sees each piece as it lands,
     while the next one arrives (a chain) or the whole bucket (a broadcast)."""
     if fanout == "broadcast":
-        group.broadcast(buf, TRAINER_RANK).wait()
+        group.broadcast(buf, SENDER_RANK).wait()
         if on_piece is not None:
             on_piece(buf)
         return

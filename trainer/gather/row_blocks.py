@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-TRAINER_RANK = 0  # the global rank that packs and sends the buckets
+PACKING_RANK = 0  # the global rank that packs and sends the buckets
 
 
 def row_blockable(p: torch.Tensor, block_bytes: int | None) -> bool:
@@ -45,7 +45,7 @@ def row_blockable(p: torch.Tensor, block_bytes: int | None) -> bool:
         return False
     if placements[0].dim != 0 or p.numel() * p.element_size() <= block_bytes // 2:
         return False
-    return TRAINER_RANK in mesh.mesh.flatten().tolist()
+    return PACKING_RANK in mesh.mesh.flatten().tolist()
 
 
 class BlockBuffer:
@@ -81,7 +81,7 @@ class RowBlocks:
         self._local = p.to_local()
         self._group = p.device_mesh.get_group()
         self._me = dist.get_rank(self._group)
-        self._dst = dist.get_group_rank(self._group, TRAINER_RANK)
+        self._dst = dist.get_group_rank(self._group, PACKING_RANK)
         rows, world = self.shape[0], dist.get_world_size(self._group)
         per_rank = math.ceil(rows / world) if rows else 0
         # (group rank, first row, end row) of every rank that holds rows

@@ -30,7 +30,7 @@ class ModelSourceError(ValueError):
 def resolve_model(settings: ServerSettings) -> Path:
     """The checkpoint directory to serve."""
     if not settings.model:
-        from rollout_sidecar.server.default_model import ensure_default_model
+        from rollout_sidecar.server.model.default_model import ensure_default_model
 
         return ensure_default_model(settings.cache_dir)
     local = Path(settings.model).expanduser()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Header, Request
 
-from rollout_sidecar.client.schema import (
+from rollout_sidecar.client.protocol import (
     AbortRequest,
     BeginRequest,
     BeginResponse,

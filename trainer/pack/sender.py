@@ -17,20 +17,17 @@ the other ranks.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from rollout_sidecar.trainer.finite import all_finite
-from rollout_sidecar.trainer.row_blocks import FlatCursor, RowBlocks
+from rollout_sidecar.client.protocol import BucketManifest, TensorSlot
+from rollout_sidecar.client.protocol.wire_format import crc32, slot_bytes, torch_dtype
+from rollout_sidecar.trainer.gather.row_blocks import FlatCursor, RowBlocks
+from rollout_sidecar.trainer.pack.finite import all_finite
 
 Error = tuple[str, str]  # (kind, message); kinds map to exception types in pusher.py
-
-
-def crc32(buf: torch.Tensor) -> int:
-    return zlib.crc32(memoryview((buf if buf.is_cpu else buf.cpu()).numpy()))
 
 
 class BucketSender:
@@ -46,7 +43,7 @@ class BucketSender:
                                          pin_memory=pin) for _ in range(2)]
         return self._buffers
 
-    def send_all(self, buckets: list, tensors: Iterator[tuple[str, torch.Tensor]],
+    def send_all(self, buckets: list[BucketManifest], tensors: Iterator[tuple[str, torch.Tensor]],
                  transport: Any, push_id: str) -> tuple[list[int], Error | None]:
         """Send every bucket; returns the CRCs and the first error."""
         buffers = self._buffers_for(max(b.nbytes for b in buckets), transport.buffer_device)
@@ -59,7 +56,7 @@ class BucketSender:
             if in_flight[slot] is not None and err is None:
                 err = _wait(in_flight[slot], f"sending bucket {b.index - 2}")
             buf = buffers[slot][: b.nbytes]
-            for s in b.slots:
+            for s in b.params:
                 if s.first:  # gathered on every rank, same order; a split tensor once
                     name, full = next(tensors)
                     if (not s.last or isinstance(full, RowBlocks)) and err is None:
@@ -75,7 +72,7 @@ class BucketSender:
                     checksums.append(crc32(buf))
                     in_flight[slot] = transport.send(b.index, buf, push_id, checksums[-1])
                 else:
-                    # The CRC travels with the commit, so compute it while the
+                    # The CRCs travel with the prepare, so compute it while the
                     # bucket is on the wire (zlib releases the GIL).
                     in_flight[slot] = transport.send(b.index, buf, push_id, None)
                     checksums.append(crc32(buf))
@@ -97,24 +94,25 @@ def _cursor(name: str, full: torch.Tensor | RowBlocks
         return None, ("push", f"packing {name} failed: {type(e).__name__}: {e}")
 
 
-def _pack(buf: torch.Tensor, slot: Any, name: str, full: torch.Tensor | FlatCursor
+def _pack(buf: torch.Tensor, slot: TensorSlot, name: str, full: torch.Tensor | FlatCursor
           ) -> Error | None:
     """Cast `full` (a tensor, or a cursor over a split or row-blocked one: only
     the slot's chunk) into the bucket."""
     if name != slot.name:
         return ("push", f"gather order changed: got {name}, planned {slot.name}")
     try:
-        view = buf[slot.offset: slot.offset + slot.nbytes].view(slot.dtype)
+        dtype = torch_dtype(slot.dtype)
+        view = slot_bytes(buf, slot).view(dtype)
         if isinstance(full, torch.Tensor):
             view.view(slot.shape).copy_(full)
-        elif full.numel() * slot.dtype.itemsize != slot.tensor_nbytes:
+        elif full.numel() * dtype.itemsize != slot.tensor_nbytes:
             return ("push", f"packing {name} failed: {full.numel()} elements, planned "
                     f"shape {list(slot.shape)}")
         else:
-            full.copy_to(view, (slot.chunk_offset or 0) // slot.dtype.itemsize)
-        if slot.dtype.is_floating_point and not all_finite(view):
+            full.copy_to(view, (slot.chunk_offset or 0) // dtype.itemsize)
+        if dtype.is_floating_point and not all_finite(view):
             return ("nonfinite", f"refusing to push: {name} holds NaN or inf (first such "
-                    f"tensor, after casting to {slot.dtype}); the server keeps serving the "
+                    f"tensor, after casting to {dtype}); the server keeps serving the "
                     "previous version")
     except Exception as e:  # an OOM, a shape mismatch: agreed on with the other ranks
         return ("push", f"packing {name} failed: {type(e).__name__}: {e}")

@@ -26,7 +26,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
 
-from rollout_sidecar.client.router import ReplicaPool
+from rollout_sidecar.client.replica_pool import ReplicaPool
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)

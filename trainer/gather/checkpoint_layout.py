@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout_sidecar.trainer.gather import ParamInfo
-from rollout_sidecar.trainer.row_blocks import RowBlocks
+from rollout_sidecar.trainer.gather.full_tensors import ParamInfo
+from rollout_sidecar.trainer.gather.row_blocks import RowBlocks
 
 
 def _inner(model: nn.Module) -> nn.Module:

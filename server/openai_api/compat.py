@@ -43,8 +43,8 @@ from typing import Any
 
 from starlette.datastructures import State
 
-from rollout_sidecar.server.engine import GenerationEngine, _shielded
-from rollout_sidecar.server.version_gate import Lease
+from rollout_sidecar.server.engine.lifecycle import GenerationEngine, _shielded
+from rollout_sidecar.server.engine.version_gate import Lease
 
 _CURRENT: contextvars.ContextVar[RequestTag | None] = contextvars.ContextVar(
     "rollout_sidecar_openai_tag", default=None)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.trainer.replica_set import ReplicaSet
+from rollout_sidecar.trainer.control.replica_admins import ReplicaSet
 
 
 class _Done:

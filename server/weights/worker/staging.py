@@ -1,7 +1,8 @@
-"""Host-side staging of one push: per-bucket buffers, checksums, views.
+"""Staging of one push, in host memory (or, for NCCL with `staging=device`,
+GPU memory): per-bucket buffers, checksums, views.
 
-Buckets land here and are verified while the old weights keep serving. Only a
-complete, verified set is ever loaded into the model, which is what makes a
+Buckets land here and are checked while the old weights keep serving. Only a
+complete, checked set is ever loaded into the model, which is what makes a
 commit atomic. Buffers are kept for the next push of the same layout, so a
 steady-state push allocates nothing.
 
@@ -19,31 +20,20 @@ hidden 4096), freed when the load ends.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-
-def crc32(buf: torch.Tensor, running: int = 0) -> int:
-    """CRC-32 of a contiguous uint8 CPU tensor (zlib releases the GIL);
-    `running`: the CRC of the bytes before it."""
-    return zlib.crc32(memoryview(buf.numpy()), running)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
+from rollout_sidecar.client.protocol import BucketManifest, TensorSlot
+from rollout_sidecar.client.protocol.wire_format import crc32, slot_bytes, slot_tensor, torch_dtype
 
 
 @dataclass
 class StagedBucket:
     index: int
     nbytes: int
-    params: list[dict]  # {"name", "dtype", "shape", "offset"[, "chunk_offset", "nbytes"]}
+    params: list[TensorSlot]
     buffer: torch.Tensor
     received: bool = False
     checksum: int | None = None  # computed on arrival
@@ -54,17 +44,17 @@ class Staging:
     buckets: list[StagedBucket] = field(default_factory=list)
     _pool: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
-    def prepare(self, manifest: list[dict], device: torch.device) -> None:
+    def allocate(self, manifest: list[BucketManifest], device: torch.device) -> None:
         """Lay out buffers for a manifest, reusing last push's where sizes match."""
         self.release()
         for b in manifest:
-            pooled = self._pool.get(b["nbytes"])
+            pooled = self._pool.get(b.nbytes)
             buf = pooled.pop() if pooled else None
             if buf is None or buf.device != device:
                 # Pinned on a GPU server: host-to-device copies at load run at full speed.
                 pin = device.type == "cpu" and torch.cuda.is_available()
-                buf = torch.empty(b["nbytes"], dtype=torch.uint8, device=device, pin_memory=pin)
-            self.buckets.append(StagedBucket(b["index"], b["nbytes"], b["params"], buf))
+                buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+            self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf))
 
     def release(self) -> None:
         """Forget the staged push; its buffers go back to the pool."""
@@ -76,7 +66,7 @@ class Staging:
         self.release()
         self._pool.clear()
 
-    def verify(self, expected: list[int]) -> None:
+    def check(self, expected: list[int]) -> None:
         """Every bucket arrived and matches the trainer's checksum, or raise."""
         if len(expected) != len(self.buckets):
             raise ValueError(f"{len(expected)} checksums for {len(self.buckets)} buckets")
@@ -84,9 +74,9 @@ class Staging:
             if not b.received:
                 raise ValueError(f"bucket {b.index} never arrived")
             if b.checksum is None:
-                b.checksum = crc32(b.buffer) if b.buffer.is_cpu else crc32(b.buffer.cpu())
+                b.checksum = crc32(b.buffer)
             if b.checksum != want:
-                names = ", ".join(p["name"] for p in b.params[:4])
+                names = ", ".join(p.name for p in b.params[:4])
                 raise ValueError(
                     f"bucket {b.index} checksum mismatch (got {b.checksum:#010x}, trainer sent "
                     f"{want:#010x}); holds {names}{'...' if len(b.params) > 4 else ''}"
@@ -99,22 +89,16 @@ class Staging:
         whole: torch.Tensor | None = None  # the split tensor being reassembled
         for b in self.buckets:
             for p in b.params:
-                dtype = torch_dtype(p["dtype"])
-                numel = 1
-                for d in p["shape"]:
-                    numel *= d
-                nbytes = numel * dtype.itemsize
-                start = p.get("chunk_offset")
+                start = p.chunk_offset
                 if start is None:
-                    raw = b.buffer[p["offset"]: p["offset"] + nbytes]
-                    yield p["name"], raw.view(dtype).view(p["shape"])
+                    yield p.name, slot_tensor(b.buffer, p)
                     continue
                 if start == 0:
-                    whole = torch.empty(nbytes, dtype=torch.uint8, device=b.buffer.device)
+                    whole = torch.empty(p.tensor_nbytes, dtype=torch.uint8,
+                                        device=b.buffer.device)
                 if whole is None:  # manifest_check.py refuses such a manifest
-                    raise ValueError(f"{p['name']}: chunk at byte {start} before its first")
-                n = p["nbytes"]
-                whole[start: start + n].copy_(b.buffer[p["offset"]: p["offset"] + n])
-                if start + n == nbytes:
-                    yield p["name"], whole.view(dtype).view(p["shape"])
+                    raise ValueError(f"{p.name}: chunk at byte {start} before its first")
+                whole[start: start + p.length].copy_(slot_bytes(b.buffer, p))
+                if p.last:
+                    yield p.name, whole.view(torch_dtype(p.dtype)).view(p.shape)
                     whole = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rollout_sidecar.client.schema import GenerateRequest
+from rollout_sidecar.client.protocol import GenerateRequest
 from rollout_sidecar.server.errors import BadRequest
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 
-from rollout_sidecar.client.schema import HealthResponse, InfoResponse
+from rollout_sidecar.client.protocol import HealthResponse, InfoResponse
 from rollout_sidecar.server.auth import require_api_token
 
 router = APIRouter()

@@ -8,8 +8,7 @@ from typing import Any
 
 import httpx
 
-from rollout_sidecar.client.http import auth_headers
-from rollout_sidecar.client.schema import (
+from rollout_sidecar.client.protocol import (
     BeginResponse,
     CommitResponse,
     ConnectResponse,
@@ -20,6 +19,7 @@ from rollout_sidecar.client.schema import (
     WeightIndex,
     WeightStatus,
 )
+from rollout_sidecar.client.request_plans import auth_headers
 
 
 class WeightPushError(RuntimeError):

@@ -1,0 +1,242 @@
+"""Wire types of the push protocol: the /weights/* control plane and the
+bucket manifest that describes the data plane's bytes (pydantic only).
+
+Vocabulary: *allocate* lays out staging for a manifest; *check* is the CRC and
+coverage check of what arrived; *prepare* is phase 1 of a commit across
+replicas (every bucket arrived and passed its check); *commit* loads and
+serves; *probe* compares the served logprobs with the trainer's forward pass.
+The bytes travel over torch.distributed (gloo/NCCL, see bucket_group.py) or,
+with transport "http", as bodies of PUT /weights/bucket/{index}.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_sidecar.client.protocol.fields import (
+    Bool,
+    CommitPolicy,
+    Float,
+    Int,
+    Port,
+    ReplyModel,
+    StrictModel,
+    not_null,
+)
+
+Transport = Literal["gloo", "nccl", "http"]
+
+
+class TensorSlot(StrictModel):
+    """Where one tensor, or one chunk of it, sits inside a packed bucket: the
+    one manifest entry type, built by the trainer's planner, sent in
+    `POST /weights/begin`, staged and checked by the server.
+
+    Floating tensors travel in the serving dtype; integer and bool tensors
+    (persistent buffers such as routing tables) in their own. A tensor larger
+    than a bucket is split: its chunks, in consecutive entries, carry
+    `chunk_offset` and `nbytes` and cover its bytes exactly once, in order."""
+
+    name: str
+    dtype: str
+    shape: list[Int] = Field(description="The whole tensor's shape, also for a chunk.")
+    offset: Int = Field(description="Byte offset in the bucket; aligned to the dtype size.")
+    chunk_offset: Int | None = Field(
+        None, json_schema_extra=not_null,
+        description="A chunk: where it starts in the tensor's bytes (C order, wire dtype). "
+        "Absent: the entry is the whole tensor.")
+    nbytes: Int | None = Field(None, json_schema_extra=not_null,
+                               description="A chunk: its length in bytes; with chunk_offset.")
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole tensor."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def tensor_nbytes(self) -> int:
+        """Bytes of the whole tensor in its wire dtype."""
+        # torch only here: the trainer and the server call it, never the client.
+        from rollout_sidecar.client.protocol.wire_format import itemsize
+
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def length(self) -> int:
+        """Bytes this entry occupies in its bucket: the chunk, or the whole tensor."""
+        return self.nbytes if self.chunk_offset is not None and self.nbytes is not None \
+            else self.tensor_nbytes
+
+    @property
+    def first(self) -> bool:
+        """The entry where the tensor's bytes begin (the trainer draws it here)."""
+        return not self.chunk_offset
+
+    @property
+    def last(self) -> bool:
+        """The entry where the tensor's bytes end (the trainer drops it after)."""
+        return self.chunk_offset is None or self.chunk_offset + self.length == self.tensor_nbytes
+
+
+class BucketManifest(StrictModel):
+    index: Int
+    nbytes: Int
+    params: list[TensorSlot]
+
+
+class ConnectRequest(StrictModel):
+    connection_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: Float = Field(300.0, gt=0, le=3600, description="How long to wait for the "
+                             "trainer to join the group (capped by the server).")
+    takeover: Bool = Field(False, description="Replace another trainer's connection even "
+                           "within its lease (that trainer's next begin is refused).")
+    trainer_id: str | None = Field(
+        None, max_length=128, description="The pusher's id: the trainer that owns the data "
+        "plane may replace its own connection within the lease (to bring a restarted replica "
+        "back into the group).")
+    world_size: Int = Field(2, ge=2, le=65536, description="Ranks in the group: the trainer "
+                            "(rank 0) plus every worker of every replica.")
+    rank_offset: Int = Field(1, ge=1, description="This server's first worker rank; its "
+                             "workers take rank_offset .. rank_offset + data_plane_ranks - 1.")
+    store_host: str | None = Field(None, max_length=255, description="Rendezvous store host "
+                                   "(another replica's data plane); default: this server's.")
+    store_port: Port | None = Field(None, description="Rendezvous store port; default: this "
+                                    "server's data-plane port.")
+    fanout: Literal["broadcast", "chain"] = Field(
+        "broadcast", description="How each bucket reaches every rank: one broadcast, or "
+        "(gloo) a chain that relays it piece by piece from rank to rank, so rank 0 sends it "
+        "once however many replicas listen.")
+
+
+class ConnectResponse(BaseModel):
+    connection_id: str
+    backend: str
+
+
+class BeginRequest(StrictModel):
+    version: Int = Field(description="Weight version this push becomes; must increase.")
+    transport: Transport = "gloo"
+    connection_id: str | None = Field(
+        None, description="gloo/nccl: the connection that carries the data; it must own the "
+        "data plane.")
+    commit_policy: CommitPolicy | None = Field(
+        None, description="In-flight requests at this push's commit; default: the server's.")
+    buckets: list[BucketManifest] = Field(min_length=1)
+
+
+class BeginResponse(BaseModel):
+    push_id: str
+    deadline_s: float = Field(description="The push must commit within this; the server ends "
+                              "it after.")
+    commit_policy: CommitPolicy
+
+
+class PrepareRequest(StrictModel):
+    """Phase 1 of a commit across replicas: every bucket arrived and matches."""
+
+    push_id: str
+    checksums: list[Int] = Field(description="CRC-32 of each bucket's bytes, in order.")
+
+
+class PrepareResponse(BaseModel):
+    push_id: str
+    deadline_s: float = Field(description="Commit (phase 2) or abort within this; the server "
+                              "aborts the prepared push after.")
+    timings: dict[str, float]
+
+
+class CommitRequest(StrictModel):
+    push_id: str
+    checksums: list[Int] | None = Field(
+        None, description="CRC-32 of each bucket's bytes, in order; needed unless the push "
+        "was prepared (POST /weights/prepare), which checked them already.")
+
+
+class CommitResponse(BaseModel):
+    weight_version: int
+    push_id: str
+    commit_policy: CommitPolicy = Field(description="The policy the commit used: `abort` if "
+                                        "a `wait` drain ran past commit_drain_s.")
+    timings: dict[str, float]
+
+
+class AbortRequest(StrictModel):
+    push_id: str
+    reason: str = "aborted by trainer"
+
+
+class LastPush(BaseModel):
+    version: int
+    outcome: Literal["committed", "failed", "aborted"]
+    reason: str | None = None
+    push_id: str | None = None
+
+
+class ProbeRequest(StrictModel):
+    """`POST /weights/probe`: the trainer's logprobs of a fixed token sequence,
+    computed by its own forward pass right after pushing `version`."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
+
+    version: Int = Field(description="The version just committed; must be the served one.")
+    token_ids: list[Int] = Field(min_length=2, max_length=4096)
+    trainer_logprobs: list[Float] = Field(
+        description="logprob of token_ids[i] given token_ids[:i], for i = 1..len-1.")
+    tolerance: Float = Field(gt=0, description="Largest acceptable mean |dlogp|.")
+
+
+class ProbeResult(ReplyModel):
+    version: int
+    mean_abs_dlogp: float = Field(description="Mean |served - trainer| over the probe tokens.")
+    max_abs_dlogp: float
+    tolerance: float
+    passed: bool
+    tokens: int
+
+
+class TensorInfo(BaseModel):
+    shape: list[int]
+    dtype: str = Field(description="dtype a push carries it in.")
+
+
+class WeightIndex(BaseModel):
+    """`GET /weights/index`: what a push must carry."""
+
+    tensors: dict[str, TensorInfo] = Field(
+        description="Every tensor a push must carry: parameters and persistent buffers.")
+    ignored: list[str] = Field(
+        description="Checkpoint tensors vLLM drops at load (e.g. rotary_emb.inv_freq): never "
+        "pushed.")
+    tie_word_embeddings: bool
+
+
+class WeightStatus(ReplyModel):
+    weight_version: int
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    boot_id: str = Field(description="New at every server start: a change means the server "
+                         "restarted, back on its checkpoint's weights.")
+    push_state: Literal["idle", "receiving", "checking", "prepared", "committing"]
+    push_in_progress: bool
+    push_id: str | None = None
+    connected: str | None = Field(description="Connection id of the data plane, if any.")
+    data_plane_port: int
+    data_plane_ranks: int = Field(1, description="Workers of this server in the data-plane "
+                                  "group (TP x PP x DP).")
+    transports: list[str]
+    push_timeout_s: float = Field(description="The deadline of one push, begin to commit.")
+    commit_drain_s: float = Field(description="Longest wait for in-flight requests at a commit.")
+    broken: str | None = Field(None, description="Set after a load failed mid-commit: "
+                               "/generate answers 503 until a push succeeds.")
+    last_push: LastPush | None = None
+    last_probe: ProbeResult | None = Field(
+        None, description="The trainer's post-push probe of the latest version that ran one.")
+    suspect: str | None = Field(
+        None, description="Why the served version is suspect (its probe failed), else null.")

@@ -1,0 +1,49 @@
+"""The torch side of the manifest: dtype names, CRC-32 and views of a slot.
+
+Trainer and server both import it (they have torch); the client never does.
+One table maps the manifest's dtype names to torch dtypes, so both sides read
+the same bytes the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import torch
+
+from rollout_sidecar.client.protocol.weights_api import TensorSlot
+
+
+@functools.cache
+def torch_dtype(name: str) -> torch.dtype:
+    """`"bfloat16"` -> `torch.bfloat16`; a ValueError names an unknown one."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `"bfloat16"`: the manifest's and /info's spelling."""
+    return str(dtype).removeprefix("torch.")
+
+
+def itemsize(name: str) -> int:
+    return torch_dtype(name).itemsize
+
+
+def crc32(buf: torch.Tensor, running: int = 0) -> int:
+    """CRC-32 of a contiguous uint8 tensor (copied to the host if it is not
+    there; zlib releases the GIL); `running`: the CRC of the bytes before it."""
+    return zlib.crc32(memoryview((buf if buf.is_cpu else buf.cpu()).numpy()), running)
+
+
+def slot_bytes(bucket: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    """The slot's bytes inside a bucket buffer (a view)."""
+    return bucket[slot.offset: slot.offset + slot.length]
+
+
+def slot_tensor(bucket: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    """An unsplit slot as a typed, shaped view into the bucket buffer."""
+    return slot_bytes(bucket, slot).view(torch_dtype(slot.dtype)).view(slot.shape)
