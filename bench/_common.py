@@ -11,16 +11,11 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import secrets
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +23,14 @@ from typing import Any
 
 import httpx
 
+from rollout_sidecar.server.launcher import free_port, launch_server  # noqa: F401 (push.py)
+
 # Checkpoints are deterministic, so they are built once and reused across runs.
 CACHE = Path(os.environ.get("ROLLOUT_SIDECAR_BENCH_CACHE",
                             Path(tempfile.gettempdir()) / "rollout-sidecar-bench"))
 # vLLM CPU otherwise reserves a large KV cache; 1 GiB fits every bench here.
 # Warnings only: vLLM's per-request INFO lines would bury the tables.
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median(xs: list[float]) -> float:
@@ -174,69 +165,23 @@ def serve(model: Path | None, log: Path, max_model_len: int = 512,
           ready_timeout_s: float = 600, env: dict[str, str] | None = None,
           cpus: str | None = None, prefix: list[str] | None = None,
           host: str | None = None) -> Iterator[Server]:
-    """`rollout-sidecar serve` as a subprocess on free ports; always stopped on exit.
+    """`rollout-sidecar serve` as a subprocess on free ports (the shared
+    launcher, rollout_sidecar.server.launcher); always stopped on exit.
 
     Its own session, so the vLLM engine process it spawns is stopped with it.
     `cpus` (a taskset list, e.g. "1") pins the server and its engine there,
     OpenMP threads included. `prefix` runs it inside something (a network
     namespace: netns.py), where it listens on every address and is reached at
-    `host`.
+    `host`. Tokens given in `env` (shared by replicas) are used.
     """
-    port, dp_port = free_port(), free_port()
-    env = {**os.environ, "ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
-           "ROLLOUT_SIDECAR_ADMIN_TOKEN": secrets.token_hex(8),
-           "ROLLOUT_SIDECAR_CACHE_DIR": str(CACHE), "PYTHONUNBUFFERED": "1", **ENGINE_ENV,
-           **(env or {})}  # tokens given in `env` (shared by replicas) win
-    api, admin = env["ROLLOUT_SIDECAR_API_TOKEN"], env["ROLLOUT_SIDECAR_ADMIN_TOKEN"]
-    if cpus is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
-    if host is not None:
-        env["ROLLOUT_SIDECAR_HOST"] = "0.0.0.0"
-    cmd = list(prefix or [])
-    cmd += ["taskset", "-c", cpus] if cpus is not None else []
-    cmd += [sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
-           "--data-plane-port", str(dp_port), "--max-model-len", str(max_model_len),
-           "--log-level", "warning"]
-    if model is not None:
-        cmd += ["--model", str(model)]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    server = Server(f"http://{host or '127.0.0.1'}:{port}", api, admin, proc, log)
-    try:
-        _wait_ready(server, ready_timeout_s)
-        yield server
-    finally:
-        _stop(proc)
-
-
-def _wait_ready(server: Server, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited {server.proc.returncode}:\n"
-                               f"{server.log.read_text()[-4000:]}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout_s:.0f}s:\n"
-                       f"{server.log.read_text()[-4000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # drains, then shuts the engine down
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            pass
-    # Whatever is left of the group (the engine core) goes too.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(10)
+    launched = launch_server(
+        log=log, model=model, max_model_len=max_model_len, cpus=cpus, prefix=prefix or (),
+        host=host, own_session=True, wait=False, args=["--log-level", "warning"],
+        env={"ROLLOUT_SIDECAR_CACHE_DIR": str(CACHE), **ENGINE_ENV, **(env or {})})
+    with launched:  # stopped on exit, ready or not
+        launched.wait_ready(ready_timeout_s)
+        yield Server(launched.url, launched.api_token, launched.admin_token, launched.proc,
+                     launched.log)
 
 
 # ------------------------------------------------------------------ memory

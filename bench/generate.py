@@ -115,7 +115,7 @@ def bench_vllm(model: Path, prompts: list[list[int]], max_tokens: int, repeats: 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # The server's engine arguments (server/engine.py), minus the push plumbing.
+    # The server's engine arguments (server/engine/lifecycle.py), minus the push plumbing.
     llm = LLM(model=str(model), dtype="bfloat16", max_model_len=512, enforce_eager=True,
               gpu_memory_utilization=0.3, max_num_seqs=256, seed=0,
               logprobs_mode="raw_logprobs")

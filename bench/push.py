@@ -79,7 +79,7 @@ def timed_pushes(url: str, token: str, model: torch.nn.Module, version: int, rep
     from rollout_sidecar.trainer import WeightPusher
 
     pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=bucket_mb,
-                          verify=False)  # the transfer path alone; the probe is measured apart
+                          probe=False)  # the transfer path alone; the probe is measured apart
     runs = []
     try:
         for i in range(repeats + 1):  # the first connects and allocates: warm-up
@@ -104,7 +104,7 @@ def rss_child(ckpt: str, url: str, token: str, version: int, bucket_mb: float,
 
     model = load_trainer_model(Path(ckpt), getattr(torch, trainer_dtype))
     pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=bucket_mb,
-                          verify=False)  # the transfer path alone; the probe is measured apart
+                          probe=False)  # the transfer path alone; the probe is measured apart
     # Return freed loader memory to the OS, so a push cannot hide in reused pages.
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     res: dict[str, Any] = {}
@@ -138,7 +138,7 @@ def per_param_push(url: str, token: str, model: torch.nn.Module, version: int) -
     from rollout_sidecar.trainer import WeightPusher
 
     # split_tensors=False: with a 1-byte bucket every parameter gets one of its own.
-    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=1e-6, verify=False,
+    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=1e-6, probe=False,
                           split_tensors=False)
     pusher.push(model, version=version)  # connect + allocate outside the timing
     send = pusher.transport.send
@@ -319,13 +319,13 @@ def report(results: list[SizeResult], args: argparse.Namespace) -> None:
     for r in results:
         t = r.push
         rows.append([r.size, f"{r.params / 1e6:.1f}M", f"{r.nbytes / MiB:.0f}", r.buckets,
-                     t["begin_s"], t["gather_send_s"], t["server_verify_s"],
+                     t["begin_s"], t["gather_send_s"], t["server_check_s"],
                      t["server_commit_s"], t["total_s"], r.raw_gloo_s, r.memcpy_s, r.crc_s])
         rates.append([r.size, r.nbytes / t["gather_send_s"] / gb, r.nbytes / t["total_s"] / gb,
                       r.nbytes / r.raw_gloo_s / gb, r.nbytes / r.memcpy_s / gb,
                       r.nbytes / r.crc_s / gb, r.raw_gloo_s / t["gather_send_s"],
                       r.raw_gloo_s / t["total_s"]])
-    print(table(["size", "params", "MiB", "buckets", "begin s", "send s", "verify s",
+    print(table(["size", "params", "MiB", "buckets", "begin s", "send s", "check s",
                  "commit s", "total s", "raw gloo s", "memcpy s", "crc32 s"], rows))
     print()
     print(table(["size", "send GB/s", "push GB/s", "raw gloo GB/s", "memcpy GB/s",

@@ -40,7 +40,7 @@ import torch
 from _common import build_llama, load, machine, median, serve, table
 from push import SIZES, load_trainer_model
 
-KEYS = ("total_s", "gather_send_s", "server_verify_s", "server_commit_s")
+KEYS = ("total_s", "gather_send_s", "server_check_s", "server_commit_s")
 # (label, replicas pushed to, fan-out)
 CONFIGS = [("1 replica", 1, "broadcast"), ("2, broadcast", 2, "broadcast"),
            ("2, chain", 2, "chain")]
@@ -51,7 +51,7 @@ def timed(urls: list[str], token: str, model: torch.nn.Module, version: int, rep
     from rollout_sidecar.trainer import WeightPusher
 
     pusher = WeightPusher(urls, admin_token=token, transport="gloo", bucket_mb=bucket_mb,
-                          verify=False, fanout=fanout)
+                          probe=False, fanout=fanout)
     runs = []
     try:
         for i in range(repeats + 1):  # the first connects and allocates: warm-up

@@ -1,5 +1,5 @@
 """The floor under a push to N receivers: bytes only, through the product's
-own group and fan-out (broadcast_group.py), no server, no pack, no CRC, no
+own group and fan-out (client/protocol/bucket_group.py), no server, no pack, no CRC, no
 load. Rank 0 floats like the trainer; receiver i is pinned to core i like the
 replicas in push_replicas.py. Returns the median seconds to deliver
 `nbytes` in `bucket`-sized sends to every receiver."""

@@ -4,8 +4,8 @@ Each API method is written once, as a function that describes its job
 (`_api`); the two clients bind the same functions, one running the job's
 plan blocking and one awaiting it, so the two APIs cannot drift apart.
 
-Both talk to one server or several replicas (see replicas.py for the URL
-forms and router.py for which replica gets a request).
+Both talk to one server or several replicas (see protocol/endpoints.py for the URL
+forms and replica_pool.py for which replica gets a request).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from rollout_sidecar.client.protocol import (
     InfoResponse,
     SamplingConfig,
 )
+from rollout_sidecar.client.protocol.endpoints import auth_headers
 from rollout_sidecar.client.replica_pool import ReplicaPool, ReplicaState
 from rollout_sidecar.client.request_plans import (
     Call,
@@ -34,7 +35,6 @@ from rollout_sidecar.client.request_plans import (
     RetryPolicy,
     Send,
     Sleep,
-    auth_headers,
 )
 
 P = ParamSpec("P")
@@ -113,7 +113,7 @@ class _Replicated:
         self._pool = ReplicaPool(base_url or None, refresh_s=refresh_s)  # "": the default
         token = token if token is not None else os.environ.get("ROLLOUT_SIDECAR_API_TOKEN")
         # No base_url: every request names its replica. No transport retries:
-        # a connect error must move to another replica (see http.py).
+        # a connect error must move to another replica (see request_plans.py).
         self._http_kwargs: dict[str, Any] = dict(headers=auth_headers(token), timeout=timeout)
 
     def replicas(self) -> list[ReplicaState]:

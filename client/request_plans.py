@@ -118,7 +118,7 @@ class Job(Protocol[T_co]):
 @dataclass
 class Call(Generic[T]):
     """One API call: what to send, how to read a successful answer, and the
-    routing hints (`min_weight_version`, `session_key`, see router.py)."""
+    routing hints (`min_weight_version`, `session_key`, see replica_pool.py)."""
 
     method: str
     path: str
@@ -224,7 +224,3 @@ def _describe(error: Exception | None, response: httpx.Response | None) -> str:
     if error is not None:
         return f"{type(error).__name__}: {error}"
     return f"HTTP {response.status_code if response is not None else '?'}"
-
-
-def auth_headers(token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}

@@ -9,10 +9,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="cpu,demo"
 [[ "${1:-}" == "--test" ]] && extras="cpu,demo,test"
-python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# Done already for this pyproject.toml and these extras: skip pip (a re-run of
+# the README commands then starts in seconds).
+stamp=".venv/.installed-$(cat pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)-${extras//,/-}"
+if [[ ! -f "$stamp" ]]; then
+  python3 -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 .venv/bin/python -c "import rollout_sidecar.server.cli, vllm, transformers" \
-  || { echo "setup failed: the engine does not import" >&2; exit 1; }
+  || { rm -f .venv/.installed-*; echo "setup failed: the engine does not import" >&2; exit 1; }
+rm -f .venv/.installed-*
+touch "$stamp"
 echo "rollout-sidecar installed in $(pwd)/.venv"

@@ -1,2 +1,2 @@
 """Server side of rollout-sidecar: vLLM's AsyncLLM behind FastAPI, plus the
-weight routes that stage, verify and atomically commit pushed weights."""
+weight routes that stage, check and atomically commit pushed weights."""

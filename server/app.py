@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine.lifecycle import GenerationEngine
 from rollout_sidecar.server.engine.version_gate import MinVersionTimeout
+from rollout_sidecar.server.engine.warmup import warm_up
 from rollout_sidecar.server.errors import BadRequest, PushConflict, ServiceUnavailable
 from rollout_sidecar.server.generate import router as generate
 from rollout_sidecar.server.health import router as health
@@ -62,6 +63,8 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
             await engine.start()
             if getattr(engine, "llm", None) is not None:  # not for a fake engine
                 app.state.openai = await build_state(engine, settings.openai_args)
+                # First-request costs paid now, not by a trainer's first step.
+                await warm_up(engine)
             app.state.engine = engine
             app.state.weights = WeightService(engine, settings, app_metrics, boot_id)
             app.state.weights.start()

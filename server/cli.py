@@ -1,4 +1,5 @@
-"""`rollout-sidecar`: serve, build the default model, run the demo."""
+"""`rollout-sidecar`: serve, build the default model; the demo and other installed
+commands join through the `rollout_sidecar.commands` entry-point group."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from rollout_sidecar.server.cli_options import with_settings_flags
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="A vLLM generation server for RL post-training.")
+# Entry-point group of extra commands (pyproject.toml): `demo` comes from there.
+COMMANDS_GROUP = "rollout_sidecar.commands"
 model_app = typer.Typer(no_args_is_help=True, help="The embedded default model.")
 app.add_typer(model_app, name="model")
 
@@ -55,25 +58,28 @@ def model_init(out: Path = typer.Argument(..., help="Directory to write the chec
     typer.echo(f"wrote {path}")
 
 
-@app.command()
-def demo(
-    steps: int = typer.Option(20, help="Optimizer steps."),
-    model: str | None = typer.Option(None, help="HF checkpoint; default: embedded model."),
-    nproc: int = typer.Option(2, help="Trainer ranks (torchrun, FSDP2)."),
-    server_url: str | None = typer.Option(
-        None, envvar="ROLLOUT_SIDECAR_URL", help="Use this server instead of starting one."),
-    out_dir: Path = typer.Option(Path("demo-report"), help="Where the run report goes."),
-    push: bool = typer.Option(True, help="Push weights after every step (off: ablation)."),
-    seed: int = typer.Option(0),
-    lm_head_fp32: bool = typer.Option(
-        False, help="Started server and trainer compute the lm_head in fp32."),
-) -> None:
-    """The online RL loop on the sidecar: FSDP2 trainer, rollouts, a push per step."""
-    from rollout_sidecar.demo.launcher import launch_demo
+def add_plugin_commands(target: typer.Typer, group: str = COMMANDS_GROUP) -> list[str]:
+    """Add the commands other installed packages register under the entry-point
+    `group` (the demo: `rollout_sidecar.demo.cli:demo`), each a typer command
+    function named by its entry point. The server imports none of them itself;
+    one that fails to load is skipped with a warning, so `serve` always works."""
+    from importlib.metadata import entry_points
 
-    raise typer.Exit(launch_demo(steps=steps, model=model, nproc=nproc, server_url=server_url,
-                                 out_dir=out_dir, push=push, seed=seed,
-                                 lm_head_fp32=lm_head_fp32))
+    added = []
+    for ep in sorted(entry_points(group=group), key=lambda e: e.name):
+        if ep.name in added:  # the same package seen twice on sys.path
+            continue
+        try:
+            command = ep.load()
+        except Exception as e:  # a broken optional package must not break `serve`
+            typer.echo(f"warning: command {ep.name!r} ({ep.value}) not loaded: {e}", err=True)
+            continue
+        target.command(name=ep.name)(command)
+        added.append(ep.name)
+    return added
+
+
+add_plugin_commands(app)
 
 
 def main() -> None:

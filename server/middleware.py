@@ -2,7 +2,7 @@
 
 Not Starlette's `BaseHTTPMiddleware`: that one wraps the receive channel, so
 an endpoint never sees `http.disconnect` and could not cancel the work of a
-client that went away (routes/generate.py).
+client that went away (generate/router.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 # Probes and scrapes keep answering while draining; everything else gets 503.
 ALWAYS_OPEN = {"/health", "/ready", "/metrics"}
 ROUTES = {"/generate", "/health", "/ready", "/info", "/metrics", "/weights/connect",
-          "/weights/begin", "/weights/commit", "/weights/abort", "/weights/status",
-          "/weights/index", "/weights/verify", "/v1/completions", "/v1/chat/completions",
-          "/v1/models"}
+          "/weights/begin", "/weights/prepare", "/weights/commit", "/weights/abort",
+          "/weights/status", "/weights/index", "/weights/probe", "/weights/verify",
+          "/v1/completions", "/v1/chat/completions", "/v1/models"}
 
 
 class DrainAndMeasure:

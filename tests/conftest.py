@@ -1,26 +1,19 @@
-"""Shared fixtures: one real vLLM CPU server per test session."""
+"""Shared fixtures: one real vLLM CPU server per test session (started by
+rollout_sidecar.server.launcher, the one launcher the demo and benches use too)."""
 
 from __future__ import annotations
 
 import os
-import secrets
-import socket
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
+from rollout_sidecar.server.launcher import free_port, launch_server, stop_process
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["REPO", "Server", "free_port", "start_server", "stop_server"]
 
 
 @dataclass
@@ -44,48 +37,26 @@ def start_server(tmp: Path, name: str, extra_env: dict | None = None,
                  model: Path | str | None = None, dtype: str | None = None,
                  like: Server | None = None, max_model_len: int | None = 512) -> Server:
     """A real server on free ports; `like` restarts one on its ports and tokens."""
-    port, dp_port = (like.port, like.dp_port) if like else (free_port(), free_port())
-    api, admin = (like.api_token, like.admin_token) if like else (secrets.token_hex(8),
-                                                                   secrets.token_hex(8))
     cache = Path(os.environ.get("ROLLOUT_SIDECAR_TEST_CACHE", tmp / "cache"))
-    env = {**os.environ, "ROLLOUT_SIDECAR_API_TOKEN": api, "ROLLOUT_SIDECAR_ADMIN_TOKEN": admin,
-           "ROLLOUT_SIDECAR_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1",
+    env = {"ROLLOUT_SIDECAR_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1",
            "ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S": "3",
            # Each torchrun worker is a new trainer: no waiting out the last one's lease.
            "ROLLOUT_SIDECAR_CONNECTION_LEASE_S": "1",
            "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    log = tmp / f"{name}.log"
-    extra = (["--model", str(model)] if model else []) + (["--dtype", dtype] if dtype else [])
-    extra += ["--max-model-len", str(max_model_len)] if max_model_len else []
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
-         "--data-plane-port", str(dp_port), *extra],
-        env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    else:
-        proc.kill()
-        raise RuntimeError(f"server not ready:\n{log.read_text()[-4000:]}")
-    model = Path(httpx.get(url + "/info", headers={
-        "Authorization": f"Bearer {env['ROLLOUT_SIDECAR_API_TOKEN']}"}).json()["model"])
-    return Server(url, api, admin, model, proc, log, port, dp_port)
+    s = launch_server(log=tmp / f"{name}.log", model=model, dtype=dtype,
+                      max_model_len=max_model_len or None, env=env,
+                      port=like.port if like else None,
+                      data_plane_port=like.dp_port if like else None,
+                      api_token=like.api_token if like else None,
+                      admin_token=like.admin_token if like else None, ready_timeout_s=300)
+    with s.stopped_on_error():
+        model_path = Path(s.info()["model"])
+    return Server(s.url, s.api_token, s.admin_token, model_path, s.proc, s.log, s.port,
+                  s.data_plane_port)
 
 
 def stop_server(server: Server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
+    stop_process(server.proc)
 
 
 @pytest.fixture(scope="session")
@@ -93,3 +64,17 @@ def server(tmp_path_factory):
     s = start_server(tmp_path_factory.mktemp("server"), "server")
     yield s
     stop_server(s)
+
+
+# Folders whose tests start a real engine, torchrun ranks or Docker: marked
+# `e2e`, so `tests/run.sh --fast` (-m "not e2e") leaves them out. A test
+# elsewhere that takes a server fixture is marked too.
+E2E_DIRS = {"e2e", "fidelity", "reliability", "compose"}
+SERVER_FIXTURES = {"server", "reliable"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(REPO / "tests")
+        if rel.parts[0] in E2E_DIRS or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)

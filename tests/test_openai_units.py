@@ -1,4 +1,4 @@
-"""The /v1 lease bookkeeping (openai_compat.py) against a fake engine: when the
+"""The /v1 lease bookkeeping (server/openai_api/compat.py) against a fake engine: when the
 submit and in-flight sides of the lease are released, and what versions a
 response reports. The real path is tested in tests/e2e/test_openai.py."""
 
@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollout_sidecar.server.engine.lifecycle import GenerationEngine
+from rollout_sidecar.server.engine.request_tracking import RequestTracker
 from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.openai_api.compat import GatedEngineClient, LateSubmit, RequestTag
 
@@ -67,7 +68,7 @@ class FakeEngine:
         self.gate = VersionGate(0)
         self.llm = FakeLLM()
         self.metrics = SimpleNamespace(prompt_tokens=Counter(), generated_tokens=Counter())
-        self._tracks: set = set()
+        self.tracker = RequestTracker(self.gate)
 
 
 def counts(gate: VersionGate) -> tuple[int, int]:
@@ -85,14 +86,14 @@ def test_submit_side_waits_for_every_generator_then_in_flight_for_every_finish()
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         assert counts(engine.gate) == (0, 1)  # both accepted: commits may proceed
-        assert len(engine._tracks) == 2
+        assert len(engine.tracker.tracks) == 2
         for i in range(2):
             engine.llm.collectors[f"r{i}"].queue.put_nowait(Out(finished=True))
         await asyncio.gather(*first)
         for g in gens:
             with pytest.raises(StopAsyncIteration):
                 await g.__anext__()
-        assert counts(engine.gate) == (0, 0) and not engine._tracks
+        assert counts(engine.gate) == (0, 0) and not engine.tracker.tracks
         assert tag.fields() == {"weight_version": 0, "weight_versions": [0],
                                 "weight_suspect": False}
         with tag.current(), pytest.raises(LateSubmit):

@@ -1,5 +1,5 @@
 """Unit tests of the two-phase push state machine (server/weights/push_session.py)
-and of the pusher's replica fan-out (trainer/replica_set.py). No engine: the
+and of the pusher's replica fan-out (trainer/control/replica_admins.py). No engine: the
 phases' work is a plain coroutine here, the admin clients fakes; the real
 replicas are in tests/e2e/test_replicas.py."""
 
@@ -12,8 +12,8 @@ import pytest
 from rollout_sidecar.client.protocol import BeginRequest, CommitResponse
 from rollout_sidecar.server.errors import PushConflict
 from rollout_sidecar.server.weights.push_session import PushFailed, PushSession, PushState
-from rollout_sidecar.trainer.control.admin_client import WeightPushError
-from rollout_sidecar.trainer.control.replica_admins import ReplicaSet
+from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
+from rollout_sidecar.trainer.errors import WeightPushError
 
 BEGIN = BeginRequest(version=3, transport="gloo", connection_id="c",
                      buckets=[{"index": 0, "nbytes": 4, "params": []}])
@@ -111,8 +111,8 @@ class _Admin:
         pass
 
 
-def test_replica_set_names_every_replica_that_failed():
-    rs = ReplicaSet("http://a:1,http://b:2,http://c:3", token=None)
+def test_replica_admins_names_every_replica_that_failed():
+    rs = ReplicaAdmins("http://a:1,http://b:2,http://c:3", token=None)
     rs.admins = [_Admin("http://a:1", False), _Admin("http://b:2", True),
                  _Admin("http://c:3", True)]
     assert [type(r) for r in rs.each(lambda a, i: a.status())] == [str, WeightPushError,

@@ -141,22 +141,6 @@ def test_manifest_check_refuses_partial_wrong_shape_and_dtype():
         assert e.value.field == field
 
 
-@pytest.mark.parametrize("package, forbidden", [
-    ("rollout_sidecar.trainer", {"vllm", "transformers", "matplotlib", "fastapi"}),
-    ("rollout_sidecar.client", {"vllm", "transformers", "matplotlib", "fastapi", "torch"}),
-])
-def test_each_package_imports_only_what_its_docstring_says(package, forbidden):
-    """The demo (transformers, tqdm, matplotlib) lives in rollout_sidecar.demo."""
-    import subprocess
-    import sys
-
-    code = (f"import sys, {package}; "
-            f"print(sorted(m for m in {sorted(forbidden)!r} if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert out == "[]", f"{package} imports {out}"
-
-
 def test_every_setting_is_a_serve_flag_with_its_env_var_and_default():
     from unittest import mock
 

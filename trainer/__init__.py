@@ -2,14 +2,15 @@
 or plain modules, bucket by bucket, and push them to the server. Needs torch
 (and httpx for the control plane), never vLLM."""
 
-from rollout_sidecar.trainer.control.admin_client import (
+from rollout_sidecar.trainer.errors import (
     NonFiniteWeightsError,
     ServerRestartedError,
     WeightMismatchError,
     WeightPushError,
 )
 from rollout_sidecar.trainer.gather.full_tensors import MetaDeviceError
-from rollout_sidecar.trainer.pusher import PushResult, WeightPusher
+from rollout_sidecar.trainer.push_result import PushResult
+from rollout_sidecar.trainer.pusher import WeightPusher
 
 __all__ = ["MetaDeviceError", "NonFiniteWeightsError", "PushResult", "ServerRestartedError",
            "WeightMismatchError", "WeightPushError", "WeightPusher"]

@@ -2,13 +2,21 @@
 
 After a commit, every trainer rank runs its own forward pass over one fixed
 token sequence (a collective under FSDP, so all ranks take part in step) and
-rank 0 sends the per-token logprobs to `POST /weights/verify`, where the server
+rank 0 sends the per-token logprobs to `POST /weights/probe`, where the server
 scores the same tokens under the version just committed and records the gap.
 
 What it catches that the wire CRCs cannot: a parameter vLLM skipped or
 mis-mapped, a layer whose derived state (a CPU prepack, a fused copy) was not
-rebuilt, a wrong name mapping. What it costs: one forward of `PROBE_TOKENS`
-tokens on every rank and one prefill on the server, a few ms to ~100 ms.
+rebuilt, a wrong name mapping.
+
+What it costs: one forward of `PROBE_TOKENS` tokens on every rank, one
+prefill with prompt logprobs on every replica, and two HTTP round trips. The
+server's side dominates: measured on 2 CPU cores with the tests' default model
+(tests/e2e/test_push.py, 2 gloo ranks), the trainer's forward is ~10 ms and a
+whole probe 0.08-0.2 s, but the first probe a freshly started server answered
+took 3.4 s: it was that server's first request (later trainer processes' first
+probes were fast, so the one-time cost is the server's). Larger models add
+their forward on both sides; on a GPU that is milliseconds.
 """
 
 from __future__ import annotations
@@ -19,6 +27,12 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from rollout_sidecar.client.protocol import ProbeRequest, ProbeResult
+from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
+from rollout_sidecar.trainer.control.serving_state import ServingState
+from rollout_sidecar.trainer.errors import WeightMismatchError
+from rollout_sidecar.trainer.rank_agreement import agree
 
 PROBE_TOKENS = 64
 _SEED = 20261122
@@ -83,3 +97,37 @@ def trainer_logprobs(model: nn.Module, token_ids: list[int], device: torch.devic
     lp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
     picked = lp.gather(-1, ids[0, 1:, None])[:, 0]
     return picked.cpu().tolist(), logits.dtype
+
+
+def probe_push(model: nn.Module, version: int, replicas: ReplicaAdmins | None,
+               serving: ServingState | None, forward: bool | Forward,
+               tolerance: float | None, device: torch.device | None) -> ProbeResult:
+    """The pusher's probe step, on every rank: each forwards the probe
+    sequence (a collective under FSDP); rank 0 (the one given `replicas` and
+    `serving`, None elsewhere) has every replica compare, and every rank gets
+    the worst replica's result or raises `WeightMismatchError`."""
+    ids: list[int] = agree(lambda: probe_token_ids(serving.vocab_size, serving.max_model_len)
+                           if serving is not None else None)
+    logprobs, logits_dtype = trainer_logprobs(model, ids, device,
+                                              forward if callable(forward) else None)
+
+    def ask() -> tuple[ProbeResult, str] | None:
+        if replicas is None or serving is None:
+            return None
+        tol = tolerance or default_tolerance(serving.serve_dtype, logits_dtype)
+        req = ProbeRequest(version=version, token_ids=ids, trainer_logprobs=logprobs,
+                           tolerance=tol)
+        results = replicas.all(lambda a, i: a.probe(req), "probe")
+        # A failed replica first, then the largest gap: the one worth naming.
+        worst = max(range(len(results)), key=lambda i: (not results[i].passed,
+                                                        results[i].mean_abs_dlogp))
+        return results[worst], replicas.urls[worst]
+
+    result, where = agree(ask)
+    if not result.passed:
+        raise WeightMismatchError(
+            f"version {result.version} is served, but its logprobs on {where} differ from "
+            f"the trainer's forward pass: mean |dlogp| {result.mean_abs_dlogp:.3g} (max "
+            f"{result.max_abs_dlogp:.3g}) over {result.tokens} probe tokens > tolerance "
+            f"{result.tolerance:.3g}; the server marked it suspect")
+    return result

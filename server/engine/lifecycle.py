@@ -1,27 +1,25 @@
-"""vLLM's AsyncLLM in our process, and the /generate logic on top of it."""
+"""vLLM's AsyncLLM in our process: start, stop, health, and what it serves.
+
+`GenerationEngine` is the object the app keeps as `app.state.engine`. It owns
+the engine's lifetime and the state every feature shares (the version gate,
+the checkpoint index, the request tracker); the work on top of it lives with
+its feature and is reached through it: /generate and scoring in
+generate/service.py, response shaping in generate/response.py, request
+tracking in engine/request_tracking.py.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_sidecar.client.protocol import (
-    GenerateRequest,
-    GenerateResponse,
-    PromptResult,
-    Sample,
-    SamplingConfig,
-    Usage,
-)
+from rollout_sidecar.client.protocol import GenerateRequest, GenerateResponse
 from rollout_sidecar.server.config import ServerSettings
+from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track
 from rollout_sidecar.server.engine.version_gate import VersionGate
-from rollout_sidecar.server.errors import BadRequest
-from rollout_sidecar.server.generate import request_checks
+from rollout_sidecar.server.generate.service import GenerateService
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 
@@ -41,20 +39,6 @@ class EngineInfo:
     workers: int = 1  # TP x PP x DP: this server's ranks in the data-plane group
 
 
-@dataclass(eq=False)
-class _Track:
-    """One submitted prompt: its output queue, and the version it finished on."""
-
-    collector: Any
-    finish_version: int | None = None
-
-
-async def _shielded(coro: Any) -> None:
-    # An abort must reach the engine even while our own task is being cancelled.
-    with contextlib.suppress(Exception):
-        await asyncio.shield(coro)
-
-
 class GenerationEngine:
     def __init__(self, settings: ServerSettings, model_path: Path, metrics: ServerMetrics,
                  boot_id: str = "") -> None:
@@ -64,7 +48,8 @@ class GenerationEngine:
         self.boot_id = boot_id
         self.index = CheckpointIndex.from_checkpoint(model_path)
         self.gate = VersionGate(0)
-        self._tracks: set[_Track] = set()
+        self.tracker = RequestTracker(self.gate)
+        self.generator = GenerateService(self)
         self.llm: Any = None
         self.tokenizer: Any = None
         self.info: EngineInfo | None = None
@@ -116,123 +101,24 @@ class GenerationEngine:
             self.llm.shutdown()
             self.llm = None
 
-    # ------------------------------------------------------------------ generate
+    # ------------------------------------------------ what the routes call
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        """Run one request's prompts; its tag is the version that produced its
-        tokens (see version_gate.py for how commits are ordered against it)."""
-        assert self.info is not None
-        request_checks.check_request(req, self.settings)
-        prompt_ids = await request_checks.prompt_token_ids(
-            req, self.tokenizer, self.info.max_model_len, self.info.vocab_size,
-            self.settings.max_prompt_bytes or 32 * self.info.max_model_len)
-        params = [request_checks.sampling_params(req, i) for i in range(len(prompt_ids))]
-        lease = await self.gate.admit(req.min_weight_version, self.settings.min_version_wait_s)
-        tracks: list[_Track] = []
-        try:
-            try:  # all prompts enter the engine at once, so it batches them
-                request_id = uuid.uuid4().hex
-                for i, ids in enumerate(prompt_ids):
-                    tracks.append(_Track(await self._submit(ids, params[i], f"{request_id}-{i}")))
-            finally:
-                lease.submitted()
-            self._tracks.update(tracks)
-            outputs = await asyncio.gather(*[self._final(t) for t in tracks])
-        except BaseException:  # cancelled (client gone) or failed: free the engine
-            # The collectors hold vLLM's internal ids (it suffixes ours).
-            await _shielded(self.llm.abort([t.collector.request_id for t in tracks
-                                            if t.finish_version is None], internal=True))
-            raise
-        finally:
-            self._tracks.difference_update(tracks)
-            lease.finished()
-        return self._response(req, lease.version, prompt_ids, outputs, tracks)
-
-    async def _submit(self, ids: list[int], params: Any, request_id: str) -> Any:
-        from vllm.exceptions import VLLMError
-        from vllm.inputs import TokensPrompt
-
-        try:
-            return await self.llm.add_request(request_id, TokensPrompt(prompt_token_ids=ids),
-                                              params)
-        except VLLMError as e:
-            raise request_checks.as_bad_request(e) from e
-
-    async def _final(self, track: _Track) -> Any:
-        q = track.collector
-        while True:
-            out = q.get_nowait() or await q.get()
-            if out.finished:
-                if track.finish_version is None:
-                    track.finish_version = self.gate.version
-                return out
-
-    def watch(self, collector: Any) -> _Track:
-        """Track a request submitted outside `generate` (the /v1 routes,
-        openai_compat.py), so that `freeze_finished` sees it too."""
-        track = _Track(collector)
-        self._tracks.add(track)
-        return track
-
-    def unwatch(self, track: _Track) -> None:
-        self._tracks.discard(track)
-
-    def freeze_finished(self) -> None:
-        """Called by a commit just before it publishes: requests whose final
-        output already waits in their queue finished on the current version,
-        however late their coroutine reads it."""
-        for t in self._tracks:
-            pending = getattr(t.collector, "output", None)
-            if t.finish_version is None and pending is not None and pending.finished:
-                t.finish_version = self.gate.version
-
-    def _response(self, req: GenerateRequest, start: int, prompt_ids: list[list[int]],
-                  outputs: list[Any], tracks: list[_Track]) -> GenerateResponse:
-        results, prompt_tokens, completion_tokens = [], 0, 0
-        for ids, out in zip(prompt_ids, outputs, strict=True):
-            samples = [self._sample(c, req.sampling.logprobs) for c in out.outputs]
-            prompt_tokens += len(ids)
-            completion_tokens += sum(len(s.token_ids) for s in samples)
-            results.append(PromptResult(
-                prompt_token_ids=list(ids), samples=samples,
-                prompt_logprobs=self._prompt_logprobs(ids, out.prompt_logprobs)
-                if req.sampling.prompt_logprobs else None))
-        self.metrics.prompt_tokens.inc(prompt_tokens)
-        self.metrics.generated_tokens.inc(completion_tokens)
-        end = max((t.finish_version or start) for t in tracks)
-        versions = self.gate.versions_between(start, end)
-        return GenerateResponse(
-            results=results, weight_version=start, weight_versions=versions,
-            weight_suspect=any(v in self.gate.suspect for v in versions),
-            boot_id=self.boot_id,
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens),
-        )
+        """POST /generate (generate/service.py)."""
+        return await self.generator.generate(req)
 
     async def score(self, token_ids: list[int], version: int) -> list[float]:
-        """logprob of token i given tokens < i (i >= 1) under `version`, which
-        must still be the served one when the prefill ran."""
-        r = await self.generate(GenerateRequest(
-            prompt_token_ids=[token_ids], min_weight_version=version,
-            sampling=SamplingConfig(max_tokens=1, logprobs=False, prompt_logprobs=True)))
-        if r.weight_versions != [version]:
-            raise BadRequest(f"version {version} is no longer served (now "
-                             f"{r.weight_versions})", "version")
-        lps = r.results[0].prompt_logprobs or []
-        return [float("nan") if lp is None else lp for lp in lps[1:]]
+        """Prompt logprobs of `token_ids` under `version`, for /weights/probe."""
+        return await self.generator.score(token_ids, version)
 
-    @staticmethod
-    def _prompt_logprobs(ids: list[int], plps: Any) -> list[float | None]:
-        # vLLM: one dict per position (None for the first), keyed by token id.
-        return [None if d is None else float(d[t].logprob) for t, d in zip(ids, plps,
-                                                                             strict=True)]
+    def watch(self, collector: Any) -> Track:
+        """Track a request submitted outside `generate` (the /v1 routes,
+        openai_api/compat.py), so that `freeze_finished` sees it too."""
+        return self.tracker.watch(collector)
 
-    @staticmethod
-    def _sample(c: Any, want_logprobs: bool) -> Sample:
-        token_ids = list(c.token_ids)
-        logprobs = None
-        if want_logprobs:
-            logprobs = [float(step[t].logprob) for t, step in zip(token_ids, c.logprobs,
-                                                                  strict=True)]
-        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-        return Sample(text=c.text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+    def unwatch(self, track: Track) -> None:
+        self.tracker.unwatch(track)
+
+    def freeze_finished(self) -> None:
+        """Called by a commit just before it publishes (request_tracking.py)."""
+        self.tracker.freeze_finished()

@@ -7,9 +7,9 @@ the sampling-parameter mapping, `return_token_ids`, logprobs and the response
 shapes. They reach the engine only through `engine_client.generate(...)`, so
 we hand them `GatedEngineClient`: our AsyncLLM with that one method replaced.
 
-Honest tags, with the lease protocol of /generate (see version_gate.py):
+Honest tags, with the lease protocol of /generate (see engine/version_gate.py):
 
-1. The route (routes/openai.py) admits a `Lease` *before* vLLM renders the
+1. The route (openai_api/router.py) admits a `Lease` *before* vLLM renders the
    request: a `min_weight_version` that never comes is a 409 before any byte
    of a stream, and no commit can slip between admission and submission.
 2. The route puts a `RequestTag` in a context variable. `generate()` is a
@@ -43,7 +43,8 @@ from typing import Any
 
 from starlette.datastructures import State
 
-from rollout_sidecar.server.engine.lifecycle import GenerationEngine, _shielded
+from rollout_sidecar.server.engine.lifecycle import GenerationEngine
+from rollout_sidecar.server.engine.request_tracking import abort_quietly
 from rollout_sidecar.server.engine.version_gate import Lease
 
 _CURRENT: contextvars.ContextVar[RequestTag | None] = contextvars.ContextVar(
@@ -164,7 +165,7 @@ class GatedEngineClient:
                 yield out
         except BaseException:  # cancelled, closed or failed: free the engine
             if q is not None and not finished:
-                await _shielded(engine.llm.abort(q.request_id, internal=True))
+                await abort_quietly(engine.llm.abort(q.request_id, internal=True))
             raise
         finally:
             if not accepted:

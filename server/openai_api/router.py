@@ -1,6 +1,6 @@
 """POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
 
-vLLM's own OpenAI handlers (state built in openai_compat.py) behind our API
+vLLM's own OpenAI handlers (state built in compat.py) behind our API
 token and version gate. Every response carries `weight_version`,
 `weight_versions` and `weight_suspect` (in the JSON body; in every chunk of a
 stream) and an `X-Weight-Version` header; requests accept

@@ -11,6 +11,7 @@ raising and the engine core is never blocked waiting for a trainer.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 WORKER_METHOD = "rollout_sidecar_call"
 
@@ -28,3 +29,12 @@ class SideOp(str, Enum):
     CONNECT = "connect"  # start joining the trainer's group, in a background thread
     STATE = "state"  # {"connection": ..., "receive": ...}
     DISCONNECT = "disconnect"  # drop the group (a joiner still blocked times out alone)
+
+
+async def send(llm: Any, op: WorkerOp, **info: Any) -> None:
+    """Run `op` in every worker, inside vLLM's open update session (API side).
+
+    A raise here has already ended that session (vLLM closes it on error)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    await llm.update_weights(WeightTransferUpdateRequest(update_info={"op": op.value, **info}))

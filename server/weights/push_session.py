@@ -1,7 +1,7 @@
 r"""The push state machine: one push at a time, every transition under one lock.
 
     IDLE --begin--> RECEIVING --commit--> COMMITTING --> IDLE (committed | failed)
-                      |   \--prepare--> VERIFYING --> PREPARED --commit--/
+                      |   \--prepare--> CHECKING --> PREPARED --commit--/
                       |                     (fails)     \--abort / deadline--> IDLE (failed)
                       \--abort / deadline / dead trainer / bad bucket--> IDLE (failed)
 
@@ -17,12 +17,13 @@ every replica prepared, and aborts them all otherwise.
 - `prepare` is idempotent the same way, and a prepared push gets a new
   deadline for its phase 2.
 - `abort` is idempotent for a push already aborted or failed.
-- A failure anywhere (pause, receive, verify, load) leaves the state IDLE with
+- A failure anywhere (pause, receive, check, load) leaves the state IDLE with
   the reason recorded, and the gate open.
 
-The model changes only in `Commit.run`, after every bucket arrived and passed
-its CRC, and the load refuses (model untouched) before its point of no return;
-past that point a failure marks the gate broken (503 until a push succeeds).
+The model changes only in a commit's load (commit.py), after every bucket
+arrived and passed its CRC, and the load refuses (model untouched) before its
+point of no return; past that point a failure marks the gate broken (503
+until a push succeeds).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class PushFailed(Exception):
 class PushState(str, Enum):
     IDLE = "idle"
     RECEIVING = "receiving"
-    VERIFYING = "verifying"
+    CHECKING = "checking"
     PREPARED = "prepared"
     COMMITTING = "committing"
 
@@ -155,13 +156,13 @@ class PushSession:
 
     async def prepare(self, push_id: str, run: Callable[[Push], Awaitable[None]],
                       phase2_s: float) -> Push:
-        """Run phase 1 once (RECEIVING -> VERIFYING -> PREPARED); repeats wait
+        """Run phase 1 once (RECEIVING -> CHECKING -> PREPARED); repeats wait
         for it. A failure ends the push like any other."""
         async with self.lock:
             p = self.current
             if p is None or p.push_id != push_id or p.prepared is None:
                 p = self.require(push_id, PushState.RECEIVING)
-                p.state = PushState.VERIFYING
+                p.state = PushState.CHECKING
                 p.prepared = asyncio.get_running_loop().create_future()
                 asyncio.get_running_loop().create_task(self._prepare(p, run, phase2_s))
             prepared = p.prepared
@@ -180,7 +181,7 @@ class PushSession:
         if not ok:
             return
         async with self.lock:
-            if self.current is push and push.state is PushState.VERIFYING:
+            if self.current is push and push.state is PushState.CHECKING:
                 push.state = PushState.PREPARED
                 push.deadline = time.monotonic() + phase2_s
             if push.prepared is not None and not push.prepared.done():

@@ -39,11 +39,17 @@ async def index(request: Request) -> WeightIndex:
     return _svc(request).index()
 
 
-@router.post("/verify", response_model=ProbeResult)
-async def verify(body: ProbeRequest, request: Request) -> ProbeResult:
+@router.post("/probe", response_model=ProbeResult)
+async def probe(body: ProbeRequest, request: Request) -> ProbeResult:
     """Compare the trainer's logprobs of a probe sequence with the served ones;
     a gap over the tolerance marks the version suspect."""
-    return await _svc(request).verify(body)
+    return await _svc(request).probe(body)
+
+
+# The probe's name before the vocabulary settled ("verify" now means nothing:
+# CRCs are "check"). Same handler; kept for one minor version.
+router.add_api_route("/verify", probe, methods=["POST"], response_model=ProbeResult,
+                     deprecated=True, summary="Probe (deprecated alias of /weights/probe)")
 
 
 @router.post("/connect", response_model=ConnectResponse)

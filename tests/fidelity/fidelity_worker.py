@@ -192,7 +192,7 @@ def main() -> None:
         identity = None
         if args.scenario == "bf16":
             version += 1
-            pusher.push(model, version=version, verify=False)  # unchanged weights
+            pusher.push(model, version=version, probe=False)  # unchanged weights
             if client:
                 same = served(client, version, scored)
                 identity = dict(version=same["score_version"],

@@ -113,12 +113,12 @@ def _offloaded_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
 
 def _pusher(server: CapturingServer):  # noqa: ANN202
     from rollout_sidecar.trainer import WeightPusher
-    from rollout_sidecar.trainer.transport.http_upload import HttpTransport
+    from rollout_sidecar.trainer.transport.http_upload import HttpUploadTransport
 
-    pusher = WeightPusher("http://unused", transport="http", verify=False, bucket_mb=0.25)
+    pusher = WeightPusher("http://unused", transport="http", probe=False, bucket_mb=0.25)
     pusher.replicas.admins = [server]
     pusher.replicas.refresh = lambda: False
-    pusher.transport = HttpTransport(pusher.replicas)
+    pusher.transport = HttpUploadTransport(pusher.replicas)
     return pusher
 
 

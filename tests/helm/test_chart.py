@@ -566,10 +566,19 @@ def doc_install_commands(text: str) -> list[list[str]]:
     ]
 
 
+def doc_section(text: str, heading: str) -> str:
+    """The markdown section under `heading` (a `## ` line), up to the next `## ` heading."""
+    found = re.search(rf"^{re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert found, f"no {heading!r} section"
+    return found.group(1)
+
+
 def test_documented_install_commands_render(chart_dir: Path, render, load_values) -> None:
-    """The docs' `helm install` commands for this chart pass the schema and render."""
+    """The docs' `helm install` commands for this chart pass the schema and render: the chart
+    README's and those of the Kubernetes section of docs/deploy.md."""
     readme = (chart_dir / "README.md").read_text()
-    section = (chart_dir.parent / "README-section.md").read_text()
+    deploy_doc = (chart_dir.parents[1] / "docs" / "deploy.md").read_text()
+    section = doc_section(deploy_doc, "## Kubernetes")
     # `-f my-values.yaml` in the docs is the README's block starting with that comment.
     my_values = re.search(r"```yaml\n# my-values.yaml\n(.*?)```", readme, re.S)
     assert my_values

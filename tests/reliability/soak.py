@@ -71,7 +71,7 @@ def run_soak(server, pusher, weights: VersionedWeights, policy: str, first_versi
         try:
             time.sleep(0.5)  # let the load build up first
             for v in range(first_version, first_version + pushes):
-                res = pusher.push(weights.load(v), version=v, verify=False)
+                res = pusher.push(weights.load(v), version=v, probe=False)
                 out.versions.append(res.version)
                 out.gate_holds.append(res.timings["server_gate_hold_s"])
                 out.commit_modes.append(res.commit_policy)

@@ -52,12 +52,12 @@ def test_a_second_trainer_is_refused_while_the_first_pushes(reliable, trainer):
             with lock:
                 v = next(versions)
             first_ok.append(trainer.pusher.push(trainer.weights.load(v), version=v,
-                                                verify=False).version)
+                                                probe=False).version)
 
     t = threading.Thread(target=first_keeps_pushing)
     t.start()
     other = WeightPusher(reliable.url, admin_token=reliable.admin_token, bucket_mb=1,
-                         verify=False, lease_wait_s=2 * LEASE_S)
+                         probe=False, lease_wait_s=2 * LEASE_S)
     try:
         with lock:
             v = next(versions)
@@ -81,7 +81,7 @@ def test_a_takeover_is_clean_for_both_trainers(reliable, trainer):
     push_next(reliable, trainer)
     old_connection = trainer.pusher.transport.connection_id
     other = WeightPusher(reliable.url, admin_token=reliable.admin_token, bucket_mb=1,
-                         verify=False, takeover=True)
+                         probe=False, takeover=True)
     v = served_version(reliable) + 1  # within the first trainer's lease: taken over
     assert other.push(trainer.weights.load(v), version=v).version == v
     # The first trainer's old connection is refused by name, never left to hang
@@ -101,7 +101,7 @@ def _racing(server, race):
     """An HTTP pusher whose commit runs `race(admin, real_commit, push_id,
     checksums)` in a thread alongside it; `seen` gets both outcomes."""
     pusher = WeightPusher(server.url, admin_token=server.admin_token, transport="http",
-                          bucket_mb=1, verify=False)
+                          bucket_mb=1, probe=False)
     admin_client = pusher.replicas.admins[0]
     real_commit, seen = admin_client.commit, {}
 

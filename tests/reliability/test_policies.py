@@ -30,7 +30,7 @@ def push_during_long_request(server, trainer, policy: str, n: int, max_tokens: i
     time.sleep(1.5)  # the request is running in the engine
     assert t.is_alive(), "the request finished before the push: make it longer"
     pusher = WeightPusher(server.url, admin_token=server.admin_token, transport="http",
-                          commit_policy=policy, verify=False)
+                          commit_policy=policy, probe=False)
     result = pusher.push(trainer.weights.load(v + 1), version=v + 1)
     t.join(300)
     with server.client() as c:

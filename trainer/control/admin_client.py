@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import httpx
@@ -19,26 +20,8 @@ from rollout_sidecar.client.protocol import (
     WeightIndex,
     WeightStatus,
 )
-from rollout_sidecar.client.request_plans import auth_headers
-
-
-class WeightPushError(RuntimeError):
-    """A push failed; the server keeps serving its previous weights."""
-
-
-class NonFiniteWeightsError(WeightPushError):
-    """A tensor held NaN or infinity; nothing was sent, the old weights serve."""
-
-
-class ServerRestartedError(WeightPushError):
-    """The server restarted since the last push and serves its checkpoint's
-    weights again (raised with `on_server_restart="raise"`)."""
-
-
-class WeightMismatchError(WeightPushError):
-    """The push committed, but the server's logprobs for the probe sequence
-    differ from the trainer's own forward pass by more than the tolerance. The
-    server marks the version suspect until a later push passes."""
+from rollout_sidecar.client.protocol.endpoints import auth_headers
+from rollout_sidecar.trainer.errors import WeightPushError
 
 
 class WeightAdminClient:
@@ -73,10 +56,18 @@ class WeightAdminClient:
     def index(self) -> WeightIndex:
         return WeightIndex.model_validate(self._call("GET", "/weights/index"))
 
-    def verify(self, req: ProbeRequest) -> ProbeResult:
+    def probe(self, req: ProbeRequest) -> ProbeResult:
+        """Have the server score the probe tokens under the version just
+        committed and compare them with the trainer's logprobs."""
         return ProbeResult.model_validate(self._call(
-            "POST", "/weights/verify", content=req.model_dump_json(),
+            "POST", "/weights/probe", content=req.model_dump_json(),
             headers={"Content-Type": "application/json"}))
+
+    def verify(self, req: ProbeRequest) -> ProbeResult:
+        """Deprecated name of `probe` (kept for one minor version)."""
+        warnings.warn("WeightAdminClient.verify() is deprecated, use probe()",
+                      DeprecationWarning, stacklevel=2)
+        return self.probe(req)
 
     def connect(self, connection_id: str, backend: str, timeout_s: float,
                 takeover: bool = False, lease_wait_s: float = 60.0, *,
@@ -122,7 +113,8 @@ class WeightAdminClient:
 
     def commit(self, push_id: str, checksums: list[int] | None, timeout_s: float
                ) -> CommitResponse:
-        """Waits for the server's (verify +) drain + load: `timeout_s` covers them."""
+        """Phase 2 (or both phases, given `checksums`): waits for the server's
+        (check +) drain + load; `timeout_s` covers them."""
         return CommitResponse.model_validate(self._call("POST", "/weights/commit", json={
             "push_id": push_id, "checksums": checksums}, timeout=timeout_s))
 

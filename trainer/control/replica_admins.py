@@ -1,40 +1,31 @@
 """The servers one pusher feeds: every replica's admin client, called side by
 side, with each replica's answer or error kept apart.
 
-A push is all-or-nothing across them: each replica begins and receives; then
-`prepare` (phase 1: every bucket arrived and passed its CRC) runs on all, and
-only if all of them prepared does `commit` (phase 2: load and serve) run
-anywhere. One that fails before the commit makes the pusher abort the push
-everywhere, so the previous version keeps serving on every replica and no
-response ever carries a version another replica refused.
+Every listed replica takes part in every push, and the replicas are called at
+once (a thread each), so a push's control-plane round trips cost one
+replica's latency however many there are. `each` keeps every replica's answer
+or error apart, for the steps that must know which replica refused
+(two_phase.py); `all` raises naming every replica that failed, for the steps
+where any failure ends the push.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from rollout_sidecar.client.server_urls import expand_urls
-from rollout_sidecar.trainer.control.admin_client import WeightAdminClient, WeightPushError
+from rollout_sidecar.client.protocol.endpoints import expand_urls
+from rollout_sidecar.trainer.control.admin_client import WeightAdminClient
+from rollout_sidecar.trainer.errors import WeightPushError
 
 T = TypeVar("T")
-Outcome = Literal["committed", "refused", "aborted", "failed"]
 
 
-@dataclass
-class ReplicaOutcome:
-    """One replica's part in one push."""
+class ReplicaAdmins:
+    """One `WeightAdminClient` per replica; `urls` as `expand_urls` reads
+    them (a list, a comma-separated string, or a `dns+` headless Service)."""
 
-    url: str
-    outcome: Outcome
-    weight_version: int | None = None  # what it serves after the push
-    reason: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-class ReplicaSet:
     def __init__(self, urls: str | Sequence[str] | None, token: str | None) -> None:
         self.spec = urls
         self.token = token
@@ -83,10 +74,6 @@ class ReplicaSet:
             a.close()
 
 
-def describe(outcomes: list[ReplicaOutcome]) -> str:
-    return "; ".join(f"{o.url}: {o.outcome}" + (f" ({o.reason})" if o.reason else "")
-                     for o in outcomes)
-
-
-def failures(results: list[Any]) -> list[int]:
+def failures(results: Sequence[Any]) -> list[int]:
+    """The indexes of the replicas whose call raised."""
     return [i for i, r in enumerate(results) if isinstance(r, Exception)]

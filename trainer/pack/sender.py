@@ -7,7 +7,7 @@ buckets (buckets.py) is drawn from the gathers once, at its first chunk, and
 kept until its last chunk is packed; each chunk casts and checks its own
 elements, so every element is cast and checked exactly once, and no cast copy
 of the whole tensor is ever made. A large FSDP2 parameter arrives as row
-blocks (row_blocks.py) rather than whole: a `FlatCursor` draws them as the
+blocks (gather/row_blocks.py) rather than whole: a `FlatCursor` draws them as the
 chunks need them, so rank 0 holds one block besides the two buffers. After the first error
 the loop keeps drawing tensors, so rank 0 keeps taking part in every FSDP
 gather and no peer is left blocked, but sends nothing more. Every exception
@@ -24,10 +24,10 @@ import torch
 
 from rollout_sidecar.client.protocol import BucketManifest, TensorSlot
 from rollout_sidecar.client.protocol.wire_format import crc32, slot_bytes, torch_dtype
+from rollout_sidecar.trainer.errors import Error  # (kind, message): see errors.py
 from rollout_sidecar.trainer.gather.row_blocks import FlatCursor, RowBlocks
 from rollout_sidecar.trainer.pack.finite import all_finite
-
-Error = tuple[str, str]  # (kind, message); kinds map to exception types in pusher.py
+from rollout_sidecar.trainer.transport.base import Pending, Transport
 
 
 class BucketSender:
@@ -44,10 +44,11 @@ class BucketSender:
         return self._buffers
 
     def send_all(self, buckets: list[BucketManifest], tensors: Iterator[tuple[str, torch.Tensor]],
-                 transport: Any, push_id: str) -> tuple[list[int], Error | None]:
-        """Send every bucket; returns the CRCs and the first error."""
+                 transport: Transport, push_id: Any) -> tuple[list[int], Error | None]:
+        """Send every bucket; returns the CRCs and the first error. `push_id`
+        goes to `transport.send` as is (HTTP: each replica's id of the push)."""
         buffers = self._buffers_for(max(b.nbytes for b in buckets), transport.buffer_device)
-        in_flight: list[Any] = [None, None]
+        in_flight: list[Pending | None] = [None, None]
         checksums: list[int] = []
         err: Error | None = None
         name, full = "", None  # the tensor being packed, until its last chunk
@@ -119,7 +120,7 @@ def _pack(buf: torch.Tensor, slot: TensorSlot, name: str, full: torch.Tensor | F
     return None
 
 
-def _wait(work: Any, what: str) -> Error | None:
+def _wait(work: Pending, what: str) -> Error | None:
     try:
         work.wait()
     except Exception as e:

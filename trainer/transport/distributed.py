@@ -4,8 +4,8 @@ One group of its own: trainer rank 0 (the sender) plus every worker of every
 replica, rendezvoused through the first replica's TCPStore, so it never
 touches the trainer's FSDP process group. Each bucket leaves rank 0 once,
 however many replicas listen: NCCL broadcasts it, gloo relays it down a chain
-of the receivers (broadcast_group.py). Sends are asynchronous; the pusher
-waits on a bucket's send only before reusing its buffer. The group's timeout
+of the receivers (client/protocol/bucket_group.py). Sends are asynchronous;
+the pusher waits on a bucket's send only before reusing its buffer. The group's timeout
 is the servers' push deadline, so a dead server raises on this side as well.
 """
 
@@ -25,15 +25,17 @@ from rollout_sidecar.client.protocol.bucket_group import (
     close_group,
     send_bucket,
 )
-from rollout_sidecar.trainer.control.admin_client import WeightPushError
-from rollout_sidecar.trainer.control.replica_admins import ReplicaSet
+from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
+from rollout_sidecar.trainer.errors import WeightPushError
 
 
 class DistributedTransport:
     name = "gloo"
-    checksum_in_request = False  # the CRCs go with the commit
+    # The CRCs go with the prepare (phase 1), so each is computed while its
+    # bucket is on the wire.
+    checksum_in_request = False
 
-    def __init__(self, replicas: ReplicaSet, backend: str = "gloo",
+    def __init__(self, replicas: ReplicaAdmins, backend: str = "gloo",
                  data_plane_host: str | None = None, takeover: bool = False,
                  lease_wait_s: float = 60.0, fanout: str = "auto") -> None:
         self.replicas = replicas

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.trainer.control.replica_admins import ReplicaSet
+from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 
 
 class _Done:
@@ -17,17 +17,17 @@ class _Done:
         pass
 
 
-class HttpTransport:
+class HttpUploadTransport:
     name = "http"
     buffer_device = torch.device("cpu")
     checksum_in_request = True  # sent as the X-Checksum header of each bucket
     connection_id = None
 
-    def __init__(self, replicas: ReplicaSet) -> None:
+    def __init__(self, replicas: ReplicaAdmins) -> None:
         self.replicas = replicas
 
     def ensure_connected(self, statuses: list[Any]) -> None:
-        pass
+        pass  # every bucket is a request of its own: nothing to hold open
 
     def send(self, index: int, buf: torch.Tensor, push_id: list[str], checksum: int | None
              ) -> Any:

@@ -55,7 +55,7 @@ class StagedInitInfo(WeightTransferInitInfo):
     world_size: int = 2
     rank_offset: int = 1
     staging: str = "auto"  # NCCL only: "device" stages in GPU memory, else pinned host
-    fanout: str = "broadcast"  # or "chain" (gloo): see broadcast_group.py
+    fanout: str = "broadcast"  # or "chain" (gloo): see client/protocol/bucket_group.py
 
 
 @dataclass

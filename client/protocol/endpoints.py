@@ -1,5 +1,7 @@
-"""Which servers a client or pusher talks to: one URL, several, or a DNS name
-that stands for many (a Kubernetes headless Service).
+"""How a client or a pusher reaches the servers: their URLs (one, several, or
+a DNS name that stands for many: a Kubernetes headless Service) and the bearer
+header of a token. Both sides use it, so a URL list means the same replicas
+to the rollouts and to the trainer.
 
     "http://a:8000"                      one replica
     "http://a:8000,http://b:8000"        two (also a list of strings)
@@ -61,3 +63,8 @@ def _resolve(url: str) -> list[str]:
 
 def _host(addr: str) -> str:
     return f"[{addr}]" if ipaddress.ip_address(addr).version == 6 else addr
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The bearer header of `token` (no header without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}

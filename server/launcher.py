@@ -1,0 +1,185 @@
+"""The one way to run `rollout-sidecar serve` as a subprocess: free ports,
+fresh tokens, its environment, a bounded wait for /ready (an error that shows
+the log's tail) and a stop that escalates from SIGTERM to SIGKILL.
+
+Used by the demo, the test fixtures and the benches. Light on purpose: it
+imports neither vLLM nor torch (the server it starts does), only the standard
+library and httpx.
+
+    with launch_server(log=Path("server.log")) as server:
+        GenerationClient(server.url, token=server.api_token).generate(...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+API_TOKEN_ENV = "ROLLOUT_SIDECAR_API_TOKEN"
+ADMIN_TOKEN_ENV = "ROLLOUT_SIDECAR_ADMIN_TOKEN"
+# vLLM CPU otherwise reserves a large KV cache (GiB); 1 GiB holds every demo,
+# test and bench here. A value already in the environment wins.
+DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+LOG_TAIL_CHARS = 4000
+
+
+class ServerStartError(RuntimeError):
+    """The server exited, or was not ready in time; the message ends with its log."""
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (another process may take it later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A started `rollout-sidecar serve`. A context manager: stopped on exit."""
+
+    url: str
+    port: int
+    data_plane_port: int
+    api_token: str
+    admin_token: str
+    proc: subprocess.Popen
+    log: Path
+    env: dict[str, str] = field(repr=False)
+    own_session: bool = False  # its own process group, killed whole by stop()
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError as e:
+            return f"(log {self.log} unreadable: {e})"
+
+    def is_ready(self) -> bool:
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(self.url + "/ready", timeout=2).status_code == 200
+        return False
+
+    def check_alive(self) -> None:
+        """Raise `ServerStartError` (with the log's tail) if the process has exited."""
+        if self.proc.poll() is not None:
+            raise ServerStartError(f"server exited {self.proc.returncode} "
+                                   f"(log {self.log}):\n{self.log_tail()}")
+
+    def wait_ready(self, timeout_s: float = 300, poll_s: float = 0.5) -> None:
+        """Wait for GET /ready to answer 200; `ServerStartError` if the server
+        exits first or is not ready within `timeout_s` (it is then stopped)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if self.is_ready():
+                return
+            time.sleep(poll_s)
+        self.stop(timeout_s=10)
+        raise ServerStartError(f"server not ready after {timeout_s:.0f}s "
+                               f"(log {self.log}):\n{self.log_tail()}")
+
+    def info(self) -> dict[str, Any]:
+        """GET /info (model, dtype, weight_version, ...)."""
+        r = httpx.get(self.url + "/info", timeout=30,
+                      headers={"Authorization": f"Bearer {self.api_token}"})
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self, timeout_s: float = 60) -> int | None:
+        """Stop it (see `stop_process`); returns the exit code."""
+        return stop_process(self.proc, timeout_s, self.own_session)
+
+    @contextlib.contextmanager
+    def stopped_on_error(self) -> Iterator[ServerProcess]:
+        """Stop the server if the block raises (a caller's setup after the start)."""
+        try:
+            yield self
+        except BaseException:
+            self.stop(timeout_s=10)
+            raise
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 60,
+                 own_session: bool = False) -> int | None:
+    """SIGTERM (a server drains, then shuts its engine down), SIGKILL after
+    `timeout_s`; with `own_session` (the process leads its group), whatever is
+    left of the group (the engine core) is killed too. Returns the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if own_session:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    return proc.returncode
+
+
+def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | None = None,
+                  max_model_len: int | None = None, port: int | None = None,
+                  data_plane_port: int | None = None, api_token: str | None = None,
+                  admin_token: str | None = None, env: Mapping[str, str] | None = None,
+                  args: Sequence[str] = (), host: str | None = None, cpus: str | None = None,
+                  prefix: Sequence[str] = (), own_session: bool = False, wait: bool = True,
+                  ready_timeout_s: float = 300) -> ServerProcess:
+    """Start `python -m rollout_sidecar.server.cli serve` with its output in `log`.
+
+    Ports: free ones unless given. Tokens: `api_token`/`admin_token`, else the
+    ones in `env`, else fresh random ones; they reach the server through its
+    environment only (never argv). Environment: this process's, then
+    `DEFAULT_ENV` where unset, then `env` (which wins). `args`: more `serve`
+    flags. `cpus` (a taskset list, e.g. "1") pins the server and its OpenMP
+    threads; `prefix` runs it inside something (a network namespace), where
+    it listens on every address and is reached at `host`. `own_session`: its
+    own process group, so `stop()` also kills what it spawned. `wait`: block
+    until /ready (else call `wait_ready()` later).
+    """
+    env = dict(env or {})
+    api = api_token or env.get(API_TOKEN_ENV) or secrets.token_hex(8)
+    admin = admin_token or env.get(ADMIN_TOKEN_ENV) or secrets.token_hex(8)
+    full_env = {**DEFAULT_ENV, **os.environ, **env, API_TOKEN_ENV: api, ADMIN_TOKEN_ENV: admin}
+    if cpus is not None:
+        full_env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    if host is not None:
+        full_env["ROLLOUT_SIDECAR_HOST"] = "0.0.0.0"
+    port = port or free_port()
+    data_plane_port = data_plane_port or free_port()
+    cmd = [*prefix, *(["taskset", "-c", cpus] if cpus is not None else []),
+           sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
+           "--data-plane-port", str(data_plane_port)]
+    cmd += ["--model", str(model)] if model is not None else []
+    cmd += ["--dtype", dtype] if dtype is not None else []
+    cmd += ["--max-model-len", str(max_model_len)] if max_model_len is not None else []
+    cmd += list(args)
+    log = Path(log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=own_session)
+    server = ServerProcess(f"http://{host or '127.0.0.1'}:{port}", port, data_plane_port, api,
+                           admin, proc, log, full_env, own_session)
+    if wait:
+        with server.stopped_on_error():
+            server.wait_ready(ready_timeout_s)
+    return server

@@ -1,0 +1,156 @@
+"""The server's side of the two-phase commit: prepare, commit, abort.
+
+The commit sequence here is the only place the model changes:
+
+    CHECK (all buckets, CRCs) -> gate shut, drain -> pause -> LOAD -> finish
+    -> publish version -> resume -> gate open
+
+With several replicas the trainer splits it in two: `prepare` runs CHECK on
+every replica, and only once all of them prepared does it `commit` (the rest)
+anywhere; one that fails to prepare makes the trainer abort all of them. One
+replica may also `commit` without a prepare: both phases in one call.
+
+A refusal before LOAD's point of no return leaves the old weights serving; a
+failure past it marks the gate broken (503) until a push succeeds. Which
+transitions are allowed, and their idempotency, is push_session.py's job; this
+module is the work each phase does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from rollout_sidecar.client.protocol import (
+    CommitRequest,
+    CommitResponse,
+    LastPush,
+    PrepareRequest,
+    PrepareResponse,
+)
+from rollout_sidecar.server.metrics.collectors import ServerMetrics
+from rollout_sidecar.server.weights import ops
+from rollout_sidecar.server.weights.data_plane import DataPlane
+from rollout_sidecar.server.weights.ops import WorkerOp
+from rollout_sidecar.server.weights.push_session import Push, PushFailed, PushSession, PushState
+from rollout_sidecar.server.weights.worker.reload import UNTOUCHED
+
+log = logging.getLogger(__name__)
+
+
+class TwoPhaseCommit:
+    def __init__(self, engine: Any, settings: Any, metrics: ServerMetrics, plane: DataPlane,
+                 session: PushSession) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.plane = plane
+        self.session = session
+
+    @property
+    def llm(self) -> Any:
+        return self.engine.llm  # read late: the engine starts after we are built
+
+    # ------------------------------------------------------------ phase 1
+
+    async def prepare(self, req: PrepareRequest) -> PrepareResponse:
+        t0 = time.monotonic()
+        push = await self.session.prepare(req.push_id, lambda p: self._check(p, req.checksums),
+                                          self.settings.push_timeout_s)
+        return PrepareResponse(push_id=push.push_id, deadline_s=self.settings.push_timeout_s,
+                               timings={"check_s": time.monotonic() - t0})
+
+    async def _check(self, push: Push, checksums: list[int]) -> None:
+        """Every bucket arrived and matches its CRC; nothing is loaded."""
+        try:
+            # The receive may still be running: it may take what is left of
+            # the push's deadline, and no more.
+            await ops.send(self.llm, WorkerOp.CHECK, checksums=checksums,
+                           timeout_s=max(0.0, push.deadline - time.monotonic()))
+        except Exception as e:
+            raise PushFailed(f"push rejected, version {self.engine.gate.version} still "
+                             f"serving: {e}") from e
+
+    # ------------------------------------------------------------ phase 2
+
+    async def commit(self, req: CommitRequest) -> CommitResponse:
+        return await self.session.commit(req.push_id, lambda p: self._commit(p, req.checksums))
+
+    async def _commit(self, push: Push, checksums: list[int] | None) -> CommitResponse:
+        t0 = time.monotonic()
+        if push.prepared is None:  # one call does both phases
+            if checksums is None:
+                raise PushFailed("commit of a push that was not prepared needs checksums",
+                                 session_open=True)
+            await self._check(push, checksums)
+        t_checked = time.monotonic()
+        gate = self.engine.gate
+        async with gate.commit_window(push.policy, self.settings.commit_drain_s) as mode:
+            try:
+                await self.llm.pause_generation(mode=mode, clear_cache=True)
+                await self._load(push)
+                # Before the publish: requests already finished keep the old tag.
+                self.engine.freeze_finished()
+                await gate.publish(push.req.version, mode)
+            finally:
+                await self.llm.resume_generation()
+        self.plane.touch()  # a push keeps the trainer's connection lease alive
+        t1 = time.monotonic()
+        self.metrics.pushes.labels("committed").inc()
+        self.metrics.push_seconds.observe(t1 - push.started)
+        self.metrics.commit_seconds.observe(t1 - t_checked)
+        self.metrics.weight_version.set(push.req.version)
+        self.metrics.suspect.set(0)  # a new version has not failed a probe yet
+        log.info("committed weight_version=%d (%s; gate held %.3fs)", push.req.version, mode,
+                 gate.last_hold_s)
+        return CommitResponse(
+            weight_version=push.req.version, push_id=push.push_id, commit_policy=mode,
+            timings={"transfer_s": t0 - push.started, "check_s": t_checked - t0,
+                     "commit_s": t1 - t_checked, "gate_hold_s": gate.last_hold_s,
+                     "total_s": t1 - push.started})
+
+    async def _load(self, push: Push) -> None:
+        gate, v = self.engine.gate, push.req.version
+        try:
+            await ops.send(self.llm, WorkerOp.LOAD)  # a raise here has ended vLLM's session
+        except Exception as e:
+            # The worker says UNTOUCHED when it refused before changing any
+            # parameter: only then may the old version keep serving.
+            if UNTOUCHED not in str(e):  # past the point of no return
+                gate.broken = (f"the load of weight_version {v} failed mid-commit ({e}); "
+                               "the weights are in an unknown state, so /generate answers 503 "
+                               "until a push succeeds")
+                log.error(gate.broken)
+            raise PushFailed(f"push rejected at load, version {gate.version} "
+                             f"{'still serving' if gate.broken is None else 'unusable'}: {e}"
+                             ) from e
+        # Only releases the staging; vLLM keeps its session open if this raises.
+        await self.llm.finish_weight_update(weight_version=str(v))
+
+    # -------------------------------------------------------------- abort
+
+    async def abort(self, push_id: str, reason: str) -> LastPush:
+        async with self.session.lock:
+            ended = self.session.ended.get(push_id)
+            if isinstance(ended, LastPush):
+                return ended  # aborting twice is fine
+            push = self.session.require(push_id, PushState.RECEIVING, PushState.PREPARED)
+            await self.session.fail(push, reason, outcome="aborted")
+            return self.session.last
+
+    async def on_failed(self, push: Push, reason: str, outcome: str, session_open: bool
+                        ) -> None:
+        """The session's cleanup for every push that ends without a commit
+        (abort, deadline, bad bucket, failed phase): the worker drops its
+        staging and a distributed push's group is dropped."""
+        if session_open:
+            with contextlib.suppress(Exception):  # ABORT raises, which ends the session
+                await ops.send(self.llm, WorkerOp.ABORT)
+        if push.distributed:  # the trainer's side of the group is out of step
+            with contextlib.suppress(Exception):
+                await self.plane.drop()
+        self.metrics.pushes.labels(outcome).inc()
+        log.warning("push of version %d %s: %s; version %d keeps serving", push.req.version,
+                    outcome, reason, self.engine.gate.version)

@@ -1,0 +1,98 @@
+"""The packages' import rules, read from the source (every import statement,
+at module level or inside a function), so a lazy import cannot hide a
+dependency that a plain `import` test would miss.
+
+    client/protocol  <-  client, trainer, server   (the neutral layer)
+    trainer  -/->  server, demo          server  -/->  trainer, demo
+    client   -/->  server, trainer, demo, and torch outside its two torch modules
+
+Plus the runtime check: importing a package loads none of what its docstring
+says it never needs (a subprocess, so this process's imports do not count).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = {"client": "client", "trainer": "trainer", "server": "server",
+            "demo": "examples/demo"}
+# The protocol's torch side: the data plane's framing, imported by name only.
+TORCH_IN_CLIENT = {"client/protocol/wire_format.py", "client/protocol/bucket_group.py"}
+FORBIDDEN = {
+    "client": {"rollout_sidecar.server", "rollout_sidecar.trainer", "rollout_sidecar.demo"},
+    "trainer": {"rollout_sidecar.server", "rollout_sidecar.demo", "vllm"},
+    "server": {"rollout_sidecar.trainer", "rollout_sidecar.demo"},
+}
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file; relative ones resolved
+    against the file's package."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # we use absolute imports; a relative one is resolved anyway
+                parts = path.relative_to(REPO).with_suffix("").parts[:-node.level]
+                out.append((node.lineno, ".".join(("rollout_sidecar", *parts,
+                                                   *([node.module] if node.module else [])))))
+            else:
+                out.append((node.lineno, node.module or ""))
+    return out
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def violations() -> list[str]:
+    found = []
+    for pkg, folder in PACKAGES.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            rel = str(path.relative_to(REPO))
+            rules = set(FORBIDDEN.get(pkg, ()))
+            if pkg == "client" and rel not in TORCH_IN_CLIENT:
+                rules.add("torch")
+            for line, module in imports_of(path):
+                if bad := next((r for r in rules if _under(module, r)), None):
+                    found.append(f"{rel}:{line} imports {module} ({pkg} must not import {bad})")
+    return found
+
+
+def test_no_package_imports_across_its_boundary():
+    assert violations() == []
+
+
+def test_the_rules_catch_a_crossing(tmp_path, monkeypatch):
+    """The scan itself finds a lazy import inside a function."""
+    fake = tmp_path / "server"
+    fake.mkdir()
+    (fake / "x.py").write_text("def f():\n    from rollout_sidecar.trainer import pusher\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    monkeypatch.setitem(PACKAGES, "client", "none")
+    monkeypatch.setitem(PACKAGES, "trainer", "none")
+    monkeypatch.setitem(PACKAGES, "demo", "none")
+    assert violations() == ["server/x.py:2 imports rollout_sidecar.trainer "
+                            "(server must not import rollout_sidecar.trainer)"]
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("rollout_sidecar.trainer", {"vllm", "transformers", "matplotlib", "fastapi"}),
+    ("rollout_sidecar.client", {"vllm", "transformers", "matplotlib", "fastapi", "torch"}),
+    ("rollout_sidecar.client.protocol", {"torch", "httpx", "vllm"}),
+])
+def test_each_package_imports_only_what_its_docstring_says(package, forbidden):
+    """The demo (transformers, tqdm, matplotlib) lives in rollout_sidecar.demo."""
+    code = (f"import sys, {package}; "
+            f"print(sorted(m for m in {sorted(forbidden)!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]", f"{package} imports {out}"

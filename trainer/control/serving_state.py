@@ -1,0 +1,96 @@
+"""What the replicas serve, read at the start of every push, and whether one
+push can fit them all.
+
+Each push begins by reading every replica's `/weights/status`: its boot id
+(a replica that restarted serves its checkpoint again, which the caller
+wants to know), its dtype (one bucket layout for all, so one dtype), and the
+limits the push must respect (deadline, drain, probe length). The tensor
+index (`/weights/index`: what a push must carry, in which wire dtype) is read
+once and kept: it changes only when a replica restarts or the set of
+replicas does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rollout_sidecar.client.protocol import WeightIndex, WeightStatus
+from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
+from rollout_sidecar.trainer.errors import ServerRestartedError, WeightPushError
+
+log = logging.getLogger(__name__)
+
+
+class ServingState:
+    def __init__(self) -> None:
+        self.statuses: list[WeightStatus] = []  # as of this push's begin, in replica order
+        self.index: WeightIndex | None = None
+        self._boot_ids: dict[str, str] = {}
+
+    def read(self, replicas: ReplicaAdmins, version: int, on_server_restart: str = "repush"
+             ) -> bool:
+        """Read every replica's status (and the index when it may have
+        changed); True if a replica restarted since the previous push (with
+        `on_server_restart="raise"`, raise `ServerRestartedError` instead)."""
+        if replicas.refresh():  # a dns+ name resolved to other pods: a new group, a new index
+            self.index = None
+        self.statuses = statuses = replicas.all(lambda a, i: a.status(), "status")
+        urls = replicas.urls
+        restarted = [u for u, st in zip(urls, statuses, strict=True)
+                     if u in self._boot_ids and self._boot_ids[u] != st.boot_id]
+        if restarted:
+            msg = (f"{', '.join(restarted)} restarted and serve their checkpoint's weights "
+                   "again")
+            if on_server_restart == "raise":
+                raise ServerRestartedError(msg)
+            log.warning("%s; pushing version %d restores the trained weights", msg, version)
+        self._boot_ids = {u: st.boot_id for u, st in zip(urls, statuses, strict=True)}
+        if len({st.dtype for st in statuses}) > 1:
+            raise WeightPushError("replicas serve different dtypes: " + ", ".join(
+                f"{u}: {st.dtype}" for u, st in zip(urls, statuses, strict=True)))
+        if self.index is None or restarted:
+            self.index = same_index(replicas.all(lambda a, i: a.index(), "index"), urls)
+        return bool(restarted)
+
+    @property
+    def serve_dtype(self) -> torch.dtype:
+        return getattr(torch, self.statuses[0].dtype)
+
+    @property
+    def wire_dtypes(self) -> dict[str, torch.dtype]:
+        """Each tensor's dtype on the wire: what the served checkpoint holds."""
+        assert self.index is not None
+        return {n: getattr(torch, t.dtype) for n, t in self.index.tensors.items()}
+
+    @property
+    def versions(self) -> list[int]:
+        return [st.weight_version for st in self.statuses]
+
+    @property
+    def commit_timeout_s(self) -> float:
+        """How long a prepare or commit may take: each server may wait for
+        in-flight requests, then load; bound by the slowest one's numbers."""
+        s = max(self.statuses, key=lambda st: st.push_timeout_s + st.commit_drain_s)
+        return s.push_timeout_s + s.commit_drain_s + 60
+
+    @property
+    def vocab_size(self) -> int:
+        return self.statuses[0].vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return min(s.max_model_len for s in self.statuses)
+
+
+def same_index(indexes: list[WeightIndex], urls: list[str]) -> WeightIndex:
+    """Every replica must serve the same tensors, or one push cannot fit all."""
+    first = indexes[0].tensors
+    for url, idx in zip(urls[1:], indexes[1:], strict=True):
+        if idx.tensors != first:
+            diff = sorted(set(first) ^ set(idx.tensors)) or sorted(
+                n for n in first if first[n] != idx.tensors[n])
+            raise WeightPushError(f"{url} serves a different model than {urls[0]}: "
+                                  f"tensors differ ({', '.join(diff[:5])})")
+    return indexes[0]

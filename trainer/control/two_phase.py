@@ -1,0 +1,95 @@
+"""One push across every replica, all or nothing: begin, prepare, commit, abort.
+
+Each replica begins (checks the manifest, allocates staging) and receives the
+buckets; then `prepare` (phase 1: every bucket arrived and passed its CRC,
+nothing is loaded yet) runs on all of them, and only if all of them prepared
+does `commit` (phase 2: load and serve) run anywhere. A replica that refuses
+before the commit makes this abort the push everywhere, so the previous
+version keeps serving on every replica and no response ever carries a version
+another replica refused. Once every replica prepared, a commit that fails on
+some cannot be taken back on the others: `PartialCommitError` names each.
+
+Rank 0 alone runs these; the pusher shares the outcome with the other ranks
+(rank_agreement.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rollout_sidecar.client.protocol import CommitPolicy, CommitResponse, PrepareResponse
+from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins, failures
+from rollout_sidecar.trainer.errors import PartialCommitError, WeightPushError
+from rollout_sidecar.trainer.push_result import ReplicaOutcome, describe
+from rollout_sidecar.trainer.transport.base import Transport
+
+
+class TwoPhaseCommit:
+    """The replica protocol of one pusher; `push_ids` are each replica's id
+    of the push, in replica order (None: that replica holds no push)."""
+
+    def __init__(self, replicas: ReplicaAdmins, transport: Transport) -> None:
+        self.replicas = replicas
+        self.transport = transport
+
+    def begin(self, version: int, manifest: list[dict], commit_policy: CommitPolicy | None
+              ) -> list[str]:
+        """Begin on every replica; if any refuses, abort on the others and
+        raise before a byte is sent."""
+        rs, tr = self.replicas, self.transport
+        begun = rs.each(lambda a, i: a.begin(version, tr.name, manifest, tr.connection_id,
+                                             commit_policy))
+        if bad := failures(begun):
+            ids = [None if isinstance(r, Exception) else r.push_id for r in begun]
+            self.abort(ids, "another replica refused the push at begin")
+            raise WeightPushError("begin refused, nothing sent: " + "; ".join(
+                f"{rs.urls[i]}: {begun[i]}" for i in bad))
+        return [r.push_id for r in begun]  # type: ignore[union-attr]
+
+    def abort(self, push_ids: Sequence[str | None], reason: str) -> None:
+        """Abort on every replica that holds the push (a failed one already
+        ended it); the data-plane group is out of step with at least one of
+        them, so it is dropped too."""
+        # The servers first, so each records the trainer's reason; dropping
+        # our side of the group first would fail their receives with a
+        # connection error that races the abort.
+        self.replicas.each(lambda a, i: a.abort(push_ids[i], reason)
+                           if push_ids[i] is not None else None)
+        self.transport.reset()
+
+    def prepare(self, push_ids: Sequence[str], checksums: list[int], timeout_s: float,
+                serving: Sequence[int]) -> list[PrepareResponse]:
+        """Phase 1 on every replica: each has every bucket, CRC-checked. If
+        any refuses, abort everywhere and raise; `serving`: the versions the
+        replicas keep serving then (for the message)."""
+        rs = self.replicas
+        prepared = rs.each(lambda a, i: a.prepare(push_ids[i], checksums, timeout_s))
+        if bad := failures(prepared):
+            # A replica whose prepare failed has ended the push itself.
+            self.abort([None if i in bad else p for i, p in enumerate(push_ids)],
+                       f"another replica refused the push: {prepared[bad[0]]}")
+            versions = ", ".join(str(v) for v in serving)
+            raise WeightPushError(
+                f"push refused before the commit, on {len(bad)} of {len(push_ids)} replicas, "
+                f"so no replica published it (versions {versions} keep serving): "
+                + "; ".join(f"{rs.urls[i]}: {prepared[i]}" for i in bad))
+        return prepared  # type: ignore[return-value]
+
+    def commit(self, push_ids: Sequence[str], timeout_s: float
+               ) -> tuple[list[CommitResponse], list[ReplicaOutcome]]:
+        """Phase 2 on every replica: load and serve. Raises unless all did."""
+        rs = self.replicas
+        committed = rs.each(lambda a, i: a.commit(push_ids[i], None, timeout_s))
+        outcomes = [ReplicaOutcome(u, "failed", None, str(r)) if isinstance(r, Exception)
+                    else ReplicaOutcome(u, "committed", r.weight_version, None, r.timings)
+                    for u, r in zip(rs.urls, committed, strict=True)]
+        if bad := failures(committed):
+            # A failed push drops the servers' side of the group: drop ours to match.
+            self.transport.reset()
+            if len(bad) == len(committed):  # e.g. a load refused before touching the model
+                raise WeightPushError("push refused at the commit on every replica, nothing "
+                                      f"published: {describe(outcomes)}")
+            raise PartialCommitError(
+                "every replica prepared the push, but the commit failed on some (a failed load "
+                f"answers 503 until a push succeeds): {describe(outcomes)}")
+        return committed, outcomes  # type: ignore[return-value]

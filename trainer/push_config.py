@@ -1,0 +1,159 @@
+"""`PushConfig`: how a `WeightPusher` pushes, one documented field each.
+
+`WeightPusher(url, admin_token, config=PushConfig(...))`, or the same fields
+as keyword arguments (`WeightPusher(url, transport="http")`), which build the
+config. Checked when built, on every rank, so a typo fails before the first
+collective rather than on rank 0 alone in the middle of a push.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import torch
+
+from rollout_sidecar.client.protocol import CommitPolicy
+from rollout_sidecar.trainer.probe import Forward
+
+Transport = Literal["gloo", "nccl", "http"]
+Fanout = Literal["auto", "broadcast", "chain"]
+OnServerRestart = Literal["repush", "raise"]
+
+# The probe was called "verify" before the vocabulary settled (check = CRCs,
+# probe = logprobs); the old keyword arguments keep working for one minor
+# version.
+DEPRECATED = {"verify": "probe", "verify_tolerance": "probe_tolerance",
+              "verify_every": "probe_every"}
+
+
+@dataclass
+class PushConfig:
+    transport: Transport = "gloo"
+    """How bucket bytes travel: "gloo" (host memory), "nccl" (GPU to GPU) or
+    "http" (request bodies, when only the HTTP port is open)."""
+
+    bucket_mb: float = 256
+    """Bucket size in MiB. Rank 0's extra peak is about 3 x bucket: two send
+    buffers (a tensor larger than a bucket is split across buckets) plus at
+    most 0.75 bucket of a gather (FSDP2 brings a parameter larger than a
+    quarter bucket to rank 0 in half-bucket blocks of rows, see `row_blocks`;
+    FSDP1 gathers one unit at a time). The server copies each split tensor
+    once while loading."""
+
+    device: torch.device | None = None
+    """Compute device for FSDP gathers and the probe's input (default: the
+    mesh's device)."""
+
+    data_plane_host: str | None = None
+    """Where the first replica's TCPStore listens (default: its URL's host)."""
+
+    probe: bool | Forward = True
+    """After each commit, compare the served logprobs with this trainer's own
+    forward pass over a fixed sequence (probe.py). True uses
+    `model(input_ids=...)`; pass a callable `(model, input_ids) -> logits`
+    for other models, or False."""
+
+    probe_tolerance: float | None = None
+    """Largest acceptable mean |dlogp| of the probe; default by precision
+    (fp32 1e-3, fp16 0.05, bf16 0.1)."""
+
+    probe_every: int = 1
+    """Probe every N-th push (the first always), to amortise the probe's
+    forward pass when pushes are frequent."""
+
+    commit_policy: CommitPolicy | None = None
+    """In-flight requests at this trainer's commits ("wait", "abort",
+    "keep"); default: the server's."""
+
+    on_server_restart: OnServerRestart = "repush"
+    """A replica restarted (new boot id) since the last push and serves its
+    checkpoint again: "repush" (log it, push this version as usual,
+    `PushResult.server_restarted`) or "raise" (`ServerRestartedError`)."""
+
+    takeover: bool = False
+    """Connect even while another trainer's connection is live."""
+
+    lease_wait_s: float = 60.0
+    """How long to wait for another trainer's connection lease to run out (a
+    restarted trainer finds its old self there) before raising."""
+
+    split_tensors: bool = True
+    """False gives a tensor larger than a bucket a bucket of its own instead
+    of splitting it (for servers that predate chunked manifests); the send
+    buffers then grow to 2 x the largest tensor."""
+
+    row_blocks: bool = True
+    """False gathers every FSDP2 parameter whole with `full_tensor()` (on
+    every rank at once) instead of bringing those larger than a quarter
+    bucket to rank 0 in blocks of rows."""
+
+    fanout: Fanout = "auto"
+    """How each bucket reaches every receiver over gloo/NCCL: "broadcast",
+    "chain" (gloo only: rank 0 sends it once and each receiver relays it to
+    the next, so the trainer's link carries each bucket once however many
+    replicas listen), or "auto" (chain for gloo with more than one receiver,
+    else broadcast)."""
+
+    def __post_init__(self) -> None:
+        _one_of("transport", self.transport, Transport)
+        _one_of("fanout", self.fanout, Fanout)
+        _one_of("on_server_restart", self.on_server_restart, OnServerRestart)
+        if self.commit_policy is not None:
+            _one_of("commit_policy", self.commit_policy, CommitPolicy)
+        if self.fanout == "chain" and self.transport != "gloo":
+            raise ValueError("fanout chain is for gloo (NCCL's broadcast is a pipelined ring)")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, not {self.bucket_mb!r}")
+        if self.probe_tolerance is not None and not self.probe_tolerance > 0:
+            raise ValueError(f"probe_tolerance must be positive, not {self.probe_tolerance!r}")
+        if self.lease_wait_s < 0:
+            raise ValueError(f"lease_wait_s must be >= 0, not {self.lease_wait_s!r}")
+        # Values under 1 always meant "every push"; keep accepting them.
+        self.probe_every = max(1, int(self.probe_every))
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    @classmethod
+    def build(cls, config: PushConfig | None, options: dict[str, Any]) -> PushConfig:
+        """`config` (or the defaults) with `options` (PushConfig's field names,
+        or the deprecated `verify*` ones) applied on top."""
+        options = deprecated_to_probe(options, stacklevel=4)
+        return dataclasses.replace(config, **options) if config else cls(**options)
+
+
+def deprecated_to_probe(options: dict[str, Any], stacklevel: int) -> dict[str, Any]:
+    """`verify*=` keyword arguments as `probe*=`, with a DeprecationWarning
+    pointing at the caller's line (`stacklevel` counted from here)."""
+    out = dict(options)
+    for old, new in DEPRECATED.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise TypeError(f"pass {new}= only ({old}= is its deprecated name)")
+        warnings.warn(f"{old}= is deprecated, use {new}= (the probe was called verify)",
+                      DeprecationWarning, stacklevel=stacklevel)
+        out[new] = out.pop(old)
+    return out
+
+
+def probe_arguments(probe: bool | Forward | None, probe_tolerance: float | None,
+                    verify: bool | Forward | None, verify_tolerance: float | None
+                    ) -> tuple[bool | Forward | None, float | None]:
+    """`push()`'s probe arguments, its deprecated `verify*` ones read as such
+    (None: not given)."""
+    given = {"probe": probe, "probe_tolerance": probe_tolerance, "verify": verify,
+             "verify_tolerance": verify_tolerance}
+    # stacklevel: here, WeightPusher.push, its caller.
+    opts = deprecated_to_probe({k: v for k, v in given.items() if v is not None}, stacklevel=4)
+    return opts.get("probe"), opts.get("probe_tolerance")
+
+
+def _one_of(name: str, value: object, allowed: Any) -> None:
+    if value not in get_args(allowed):
+        choices = ", ".join(get_args(allowed))
+        raise ValueError(f"{name} must be one of {choices}, not {value!r}")

@@ -1,0 +1,90 @@
+"""What a push returns: the version every replica serves now, what travelled,
+how long each step took, each replica's part, and the probe's verdict."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rollout_sidecar.client.protocol import (
+    BucketManifest,
+    CommitResponse,
+    PrepareResponse,
+    ProbeResult,
+)
+
+# What a replica did with one push. Only the commit produces outcomes: a push
+# that fails before it raises instead, and no replica has published anything.
+Outcome = Literal["committed", "failed"]
+
+
+@dataclass
+class ReplicaOutcome:
+    """One replica's part in one push."""
+
+    url: str
+    outcome: Outcome
+    weight_version: int | None = None  # what it serves after the push
+    reason: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PushResult:
+    """Timings (seconds): `begin_s`, `gather_send_s`, `probe_s`, `total_s` on
+    the trainer; `server_check_s` (the slowest replica's prepare: receive
+    joined, CRCs checked) and `server_<key>` for each key of the commit's
+    timings (`server_commit_s`: drain + load + publish, ...), the slowest
+    replica's each."""
+
+    version: int
+    nbytes: int
+    buckets: int
+    timings: dict[str, float] = field(default_factory=dict)
+    probe: ProbeResult | None = None
+    commit_policy: str | None = None
+    server_restarted: bool = False  # a server had restarted since the previous push
+    replicas: list[ReplicaOutcome] = field(default_factory=list)
+
+    @property
+    def probe_gap(self) -> float | None:
+        """Mean |served - trainer| logprob over the probe tokens, if probed."""
+        return self.probe.mean_abs_dlogp if self.probe else None
+
+    @classmethod
+    def committed(cls, buckets: Sequence[BucketManifest], prepared: Sequence[PrepareResponse],
+                  committed: Sequence[CommitResponse], outcomes: list[ReplicaOutcome],
+                  server_restarted: bool) -> PushResult:
+        """The result of a push every replica committed."""
+        first = committed[0]
+        return cls(version=first.weight_version, nbytes=sum(b.nbytes for b in buckets),
+                   buckets=len(buckets), commit_policy=first.commit_policy,
+                   server_restarted=server_restarted, replicas=outcomes,
+                   timings=server_timings(prepared, outcomes))
+
+
+def server_timings(prepared: Sequence[PrepareResponse], outcomes: Sequence[ReplicaOutcome]
+                   ) -> dict[str, float]:
+    """The slowest replica's time for each server step, as `server_<key>`."""
+    # Servers before the check/verify rename answer `verify_s`: read it as
+    # `check_s`, so one key reaches the caller whichever server answered.
+    commits = [_renamed(o.timings) for o in outcomes]
+    keys = dict.fromkeys(k for t in commits for k in t)
+    out = {f"server_{k}": max(t.get(k, 0.0) for t in commits) for k in keys}
+    # The commit of a prepared push checks nothing; the prepare did.
+    out["server_check_s"] = max(_renamed(p.timings).get("check_s", 0.0) for p in prepared)
+    return out
+
+
+def _renamed(timings: dict[str, float]) -> dict[str, float]:
+    if "verify_s" not in timings:
+        return timings
+    t = {k: v for k, v in timings.items() if k != "verify_s"}
+    t.setdefault("check_s", timings["verify_s"])
+    return t
+
+
+def describe(outcomes: Sequence[ReplicaOutcome]) -> str:
+    return "; ".join(f"{o.url}: {o.outcome}" + (f" ({o.reason})" if o.reason else "")
+                     for o in outcomes)

@@ -1,0 +1,36 @@
+"""What the pusher needs of a transport: the data plane that carries bucket
+bytes from trainer rank 0 to every replica (the control plane, /weights/*,
+is control/admin_client.py whatever the transport)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Pending(Protocol):
+    """A send in flight: `wait()` returns once its buffer may be reused, or
+    raises what the send hit."""
+
+    def wait(self) -> Any: ...
+
+
+class Transport(Protocol):
+    name: str  # what `/weights/begin` is told: "gloo", "nccl" or "http"
+    buffer_device: torch.device  # where the send buffers live
+    # True: each bucket's CRC goes with its bytes, so it is computed before the
+    # send; False: the CRCs go with the prepare, computed while the bucket is
+    # on the wire.
+    checksum_in_request: bool
+    connection_id: str | None  # the data-plane group the replicas hold, if any
+
+    def ensure_connected(self, statuses: list[Any]) -> None:
+        """Make sure every replica (its `WeightStatus` each) can receive."""
+
+    def send(self, index: int, buf: torch.Tensor, push_id: Any, checksum: int | None
+             ) -> Pending:
+        """Start sending bucket `index`; `push_id`: each replica's id of the push."""
+
+    def reset(self) -> None:
+        """Drop the connection (after a failed push the replicas drop theirs)."""
