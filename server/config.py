@@ -12,6 +12,7 @@ from rollout_sidecar.client.protocol import CommitPolicy
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 ServeDtype = Literal["auto", "bfloat16", "float16", "float32"]
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 
 class ServerSettings(BaseSettings):
@@ -47,6 +48,13 @@ class ServerSettings(BaseSettings):
         "(ScaleRL, MiniMax-M1). Compute your trainer's head in fp32 too. Costs a cast of "
         "the head's weight per step on CPU; free on CUDA.",
     )
+    logprobs_mode: LogprobsMode = Field(
+        "raw_logprobs", description="What sampled-token logprobs are (vLLM's logprobs_mode). "
+        "raw_logprobs: log-softmax of the model's logits, the distribution a trainer's plain "
+        "forward computes. processed_logprobs: log-softmax of the logits vLLM sampled from, "
+        "after penalties, logit bias, bad words, temperature, min_p and top-k/top-p (tokens "
+        "masked out are -inf); TRL's GRPO importance-sampling correction expects it (its "
+        "forward divides the logits by the temperature). Prompt logprobs are raw in both.")
     max_model_len: int | None = Field(
         None, ge=16, description="Longest prompt + completion in tokens. Unset: the model's "
         "own (as vLLM), lowered only if the KV cache cannot hold one such sequence.")

@@ -14,9 +14,9 @@ from typing import Any
 # Probes and scrapes keep answering while draining; everything else gets 503.
 ALWAYS_OPEN = {"/health", "/ready", "/metrics"}
 ROUTES = {"/generate", "/health", "/ready", "/info", "/metrics", "/weights/connect",
-          "/weights/begin", "/weights/prepare", "/weights/commit", "/weights/abort",
-          "/weights/status", "/weights/index", "/weights/probe", "/weights/verify",
-          "/v1/completions", "/v1/chat/completions", "/v1/models"}
+          "/weights/disconnect", "/weights/begin", "/weights/prepare", "/weights/commit",
+          "/weights/abort", "/weights/status", "/weights/index", "/weights/probe",
+          "/weights/verify", "/v1/completions", "/v1/chat/completions", "/v1/models"}
 
 
 class DrainAndMeasure:

@@ -69,7 +69,7 @@ def server(tmp_path_factory):
 # Folders whose tests start a real engine, torchrun ranks or Docker: marked
 # `e2e`, so `tests/run.sh --fast` (-m "not e2e") leaves them out. A test
 # elsewhere that takes a server fixture is marked too.
-E2E_DIRS = {"e2e", "fidelity", "reliability", "compose"}
+E2E_DIRS = {"e2e", "fidelity", "reliability", "compose", "integrations"}
 SERVER_FIXTURES = {"server", "reliable"}
 
 

@@ -160,8 +160,10 @@ def test_every_setting_is_a_serve_flag_with_its_env_var_and_default():
     seen = {}
     with mock.patch("rollout_sidecar.server.serve.run_server", lambda s: seen.update(s=s)):
         r = CliRunner().invoke(cli.app, ["serve", "--commit-policy", "keep", "--no-enforce-eager",
-                                         "--openai-args=--tool-call-parser hermes"])
+                                         "--openai-args=--tool-call-parser hermes",
+                                         "--logprobs-mode", "processed_logprobs"])
     assert r.exit_code == 0, r.output
     s = seen["s"]
     assert (s.commit_policy, s.enforce_eager, s.openai_args) == ("keep", False,
                                                                  "--tool-call-parser hermes")
+    assert s.logprobs_mode == "processed_logprobs" and "default: raw_logprobs" in help_text

@@ -58,7 +58,10 @@ def default_tolerance(serve_dtype: torch.dtype, logits_dtype: torch.dtype) -> fl
 
 
 def hf_forward(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """The default forward: a transformers causal LM (or anything returning logits)."""
+    """The default forward: a transformers causal LM (or anything returning logits).
+    A PEFT model's forward applies its active adapters unmerged, so its probe
+    checks the merged weights the push sent (trainer/gather/peft_merge.py)
+    against the adapted model the trainer computes with."""
     out = model(input_ids=input_ids)
     return out.logits if hasattr(out, "logits") else out
 

@@ -37,6 +37,7 @@ from rollout_sidecar.trainer.gather.full_tensors import (
     param_plan,
     persistent_buffers,
 )
+from rollout_sidecar.trainer.gather.peft_merge import PeftMerge
 from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
 from rollout_sidecar.trainer.pack.sender import BucketSender
 from rollout_sidecar.trainer.probe import Forward, probe_push
@@ -156,13 +157,15 @@ class WeightPusher:
     def _begin(self, model: nn.Module, version: int) -> _Begun:
         """Rank 0: check the replicas, plan the buckets, begin everywhere."""
         assert self.replicas is not None and self.transport is not None
+        merge = PeftMerge(model)  # a PEFT model sends merged weights (or is refused here)
         serving = self._serving
         restarted = serving.read(self.replicas, version, self.config.on_server_restart)
         assert serving.index is not None
         # Persistent buffers the served checkpoint holds travel with the params.
-        buffers = sorted(set(persistent_buffers(model)) & set(serving.index.tensors))
+        buffers = sorted(n for n in persistent_buffers(model)
+                         if merge.rename(n) in serving.index.tensors)
         self.transport.ensure_connected(serving.statuses)
-        plan = CheckpointLayout(model).plan(param_plan(model, buffers))
+        plan = CheckpointLayout(merge.base_model).plan(merge.plan(param_plan(model, buffers)))
         buckets = plan_buckets(plan, serving.serve_dtype, self.config.bucket_bytes,
                                serving.wire_dtypes, self.config.split_tensors)
         push_ids = self._two_phase.begin(version, manifest(buckets), self.config.commit_policy)
@@ -184,9 +187,10 @@ class WeightPusher:
         assert self.transport is not None
         gathers = iter_full_tensors(model, c.device, begun.buffers, block_bytes)
         try:
-            checksums, err = self._sender.send_all(
-                begun.buckets, CheckpointLayout(model).convert(gathers), self.transport,
-                begun.push_ids)
+            merge = PeftMerge(model)
+            tensors = CheckpointLayout(merge.base_model).convert(merge.convert(gathers))
+            checksums, err = self._sender.send_all(begun.buckets, tensors, self.transport,
+                                                   begun.push_ids)
         except Exception as e:  # e.g. a layout conversion; agreed on at the commit
             checksums, err = [], ("push", f"{type(e).__name__}: {e}")
         for _ in gathers:  # finish every gather the other ranks are in
@@ -207,7 +211,17 @@ class WeightPusher:
                                     begun.restarted)
 
     def close(self) -> None:
+        """Release the data-plane connection on every replica (a few seconds at
+        most, best effort: it never raises for a server that is down), so the
+        next pusher, in this process or a restarted one, connects at once;
+        then drop this side's group and HTTP clients. Idempotent."""
         if self.transport is not None:
-            self.transport.reset()
+            self.transport.close()
         if self.replicas is not None:
             self.replicas.close()
+
+    def __enter__(self) -> WeightPusher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

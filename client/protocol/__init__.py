@@ -31,6 +31,8 @@ from rollout_sidecar.client.protocol.weights_api import (
     CommitResponse,
     ConnectRequest,
     ConnectResponse,
+    DisconnectRequest,
+    DisconnectResponse,
     LastPush,
     PrepareRequest,
     PrepareResponse,
@@ -45,9 +47,10 @@ from rollout_sidecar.client.protocol.weights_api import (
 
 __all__ = [
     "AbortRequest", "BeginRequest", "BeginResponse", "BucketManifest", "CommitPolicy",
-    "CommitRequest", "CommitResponse", "ConnectRequest", "ConnectResponse", "ErrorItem",
-    "ErrorResponse", "FinishReason", "GenerateRequest", "GenerateResponse", "HealthResponse",
-    "InfoResponse", "LastPush", "PrepareRequest", "PrepareResponse", "ProbeRequest",
-    "ProbeResult", "PromptResult", "Sample", "SamplingConfig", "TensorInfo", "TensorSlot",
-    "Transport", "Usage", "WeightIndex", "WeightStatus",
+    "CommitRequest", "CommitResponse", "ConnectRequest", "ConnectResponse",
+    "DisconnectRequest", "DisconnectResponse", "ErrorItem", "ErrorResponse", "FinishReason",
+    "GenerateRequest", "GenerateResponse", "HealthResponse", "InfoResponse", "LastPush",
+    "PrepareRequest", "PrepareResponse", "ProbeRequest", "ProbeResult", "PromptResult",
+    "Sample", "SamplingConfig", "TensorInfo", "TensorSlot", "Transport", "Usage",
+    "WeightIndex", "WeightStatus",
 ]

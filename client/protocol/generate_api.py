@@ -119,8 +119,9 @@ class Sample(ReplyModel):
     text: str
     token_ids: list[int]
     logprobs: list[float] | None = Field(
-        None, description="Logprob of each sampled token under the serving weights "
-        "(raw, before temperature/top-p). Non-finite values are the strings 'NaN', "
+        None, description="Logprob of each sampled token under the serving weights: raw "
+        "(before temperature/top-p) unless the server runs logprobs_mode processed_logprobs "
+        "(GET /info says which). Non-finite values are the strings 'NaN', "
         "'Infinity', '-Infinity'; the client parses them into floats."
     )
     finish_reason: FinishReason
@@ -171,6 +172,15 @@ class InfoResponse(BaseModel):
     num_parameters: int
     commit_policy: CommitPolicy
     transports: list[str]
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        "raw_logprobs", description="What `Sample.logprobs` (and /v1 logprobs) are, as vLLM "
+        "0.32 computes them. raw_logprobs: log-softmax of the model's logits, what a plain "
+        "forward computes. processed_logprobs: log-softmax of the logits each token was "
+        "sampled from, after penalties (repetition, frequency, presence), logit bias, bad "
+        "words, min_tokens, temperature, min_p and top-k/top-p (masked tokens -inf); at "
+        "temperature 0 everything but the temperature. TRL's GRPO compares them with its "
+        "log-softmax(logits / temperature): it needs processed_logprobs, or temperature 1 "
+        "with no top-k/top-p/penalties. Prompt logprobs are raw in both modes.")
 
 
 class HealthResponse(BaseModel):

@@ -119,6 +119,24 @@ class ConnectResponse(BaseModel):
     backend: str
 
 
+class DisconnectRequest(StrictModel):
+    """`POST /weights/disconnect`: a trainer done pushing (`WeightPusher.close()`)
+    releases the data plane at once instead of leaving its lease to run out."""
+
+    connection_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    trainer_id: str | None = Field(
+        None, max_length=128, description="The pusher's id, as sent to /weights/connect: "
+        "checked against the owner's when both are known.")
+
+
+class DisconnectResponse(BaseModel):
+    connection_id: str
+    released: bool = Field(description="True: this call released the data plane; false: "
+                           "the connection was already released (an earlier disconnect, or "
+                           "a failed push that dropped it).")
+    connected: str | None = Field(description="Connection id that holds the data plane now.")
+
+
 class BeginRequest(StrictModel):
     version: Int = Field(description="Weight version this push becomes; must increase.")
     transport: Transport = "gloo"

@@ -37,6 +37,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     workers: int = 1  # TP x PP x DP: this server's ranks in the data-plane group
+    logprobs_mode: str = "raw_logprobs"  # as vLLM's model config holds it
 
 
 class GenerationEngine:
@@ -72,9 +73,9 @@ class GenerationEngine:
             enforce_eager=s.enforce_eager,
             seed=s.seed,
             weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKEND},
-            # Logprobs of the model's own distribution (before temperature/top-p),
-            # which is what a trainer's forward pass computes for the importance ratio.
-            logprobs_mode="raw_logprobs",
+            # raw: the model's own distribution (before temperature/top-p), what a
+            # trainer's plain forward computes; processed: the one sampled from.
+            logprobs_mode=s.logprobs_mode,
             # vLLM computes the lm_head in head_dtype (casting the weight on the
             # fly, so a push needs nothing extra).
             hf_overrides={"head_dtype": "float32"} if s.lm_head_fp32 else {},
@@ -91,6 +92,7 @@ class GenerationEngine:
             max_model_len=mc.max_model_len,
             vocab_size=mc.get_vocab_size(),
             workers=self.llm.vllm_config.parallel_config.world_size_across_dp,
+            logprobs_mode=mc.logprobs_mode,
         )
 
     async def check_health(self) -> None:

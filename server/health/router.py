@@ -59,4 +59,5 @@ async def info(request: Request) -> InfoResponse:
         num_parameters=engine.index.num_parameters,
         commit_policy=request.app.state.settings.commit_policy,
         transports=request.app.state.transports,
+        logprobs_mode=engine.info.logprobs_mode,
     )

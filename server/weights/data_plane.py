@@ -9,7 +9,9 @@ push call: another trainer's connect within it is refused with the owner named
 (or takes over with `takeover=true`); once taken over, the old trainer's next
 `begin` is refused, never left to hang on a dead group. The owner itself
 (same `trainer_id`) may reconnect at any time: it rebuilds the group of all
-replicas when one of them restarted.
+replicas when one of them restarted. A trainer done pushing disconnects
+(`WeightPusher.close()`), which ends its lease at once: only a crashed
+trainer's lease has to run out.
 
 With several replicas one group spans them all: the trainer names the
 rendezvous store (one replica's), the group size and this server's first rank.
@@ -26,11 +28,17 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.client.protocol import ConnectRequest, ConnectResponse
+from rollout_sidecar.client.protocol import (
+    ConnectRequest,
+    ConnectResponse,
+    DisconnectRequest,
+    DisconnectResponse,
+)
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.weights.ops import WORKER_METHOD, SideOp
 
 POLL_S = 0.05
+REMEMBERED = 64  # ended connections remembered, for clear answers to late calls
 
 
 @dataclass
@@ -49,6 +57,8 @@ class DataPlane:
         self.port = settings.data_plane_port
         self.owner: Connection | None = None
         self.replaced: OrderedDict[str, str] = OrderedDict()  # old id -> who took over
+        # Ended by a disconnect, a failed push or its own trainer's reconnect.
+        self.released: OrderedDict[str, None] = OrderedDict()
 
     @property
     def bind_host(self) -> str:
@@ -109,14 +119,17 @@ class DataPlane:
                 break
             if conn["state"] == "failed" or time.monotonic() > deadline:
                 await self.side(SideOp.DISCONNECT)
+                if old is not None and old.id != req.connection_id:
+                    _remember(self.released, old.id, None)  # its group went at CONNECT
                 why = conn.get("error") or f"the trainer did not join within {timeout:.0f}s"
                 raise PushConflict(f"connect {req.connection_id}: {why} (is the data-plane "
                                    f"port {self.port} reachable from the trainer?)")
             await asyncio.sleep(POLL_S)
-        if old is not None and old.id != req.connection_id and not own:
-            self.replaced[old.id] = req.connection_id
-            while len(self.replaced) > 64:
-                self.replaced.popitem(last=False)
+        if old is not None and old.id != req.connection_id:
+            if own:
+                _remember(self.released, old.id, None)
+            else:
+                _remember(self.replaced, old.id, req.connection_id)
         self.owner = Connection(req.connection_id, req.backend, time.monotonic(),
                                 req.trainer_id)
         return ConnectResponse(connection_id=req.connection_id, backend=req.backend)
@@ -137,7 +150,41 @@ class DataPlane:
         if self.owner is not None:
             self.owner.last_active = time.monotonic()
 
+    async def disconnect(self, req: DisconnectRequest, busy: str | None) -> DisconnectResponse:
+        """A trainer done pushing releases the data plane (push lock held).
+        `busy`: the push in progress over this connection, if any (then 409).
+        Idempotent: a connection already released gets 200 again."""
+        cid, owner = req.connection_id, self.owner
+        if owner is None or owner.id != cid:
+            if cid in self.released:
+                return DisconnectResponse(connection_id=cid, released=False,
+                                          connected=owner.id if owner else None)
+            if cid in self.replaced:
+                raise PushConflict(f"connection {cid} was taken over by {self.replaced[cid]}: "
+                                   "it holds nothing to release")
+            raise PushConflict(f"connection {cid} is not connected (the server holds "
+                               f"{owner.id if owner else 'none'})")
+        if req.trainer_id is not None and owner.trainer_id is not None \
+                and req.trainer_id != owner.trainer_id:
+            raise PushConflict(f"connection {cid} belongs to trainer {owner.trainer_id}, not "
+                               f"{req.trainer_id}")
+        if busy is not None:
+            raise PushConflict(f"{busy} over connection {cid}: commit or abort it before "
+                               "disconnecting")
+        await self.drop()
+        return DisconnectResponse(connection_id=cid, released=True, connected=None)
+
     async def drop(self) -> None:
-        """After a failed distributed push: both sides of the group are out of step."""
+        """Release the plane: after a failed distributed push (both sides of
+        the group are out of step), or at the owner's disconnect."""
+        if self.owner is not None:
+            _remember(self.released, self.owner.id, None)
         self.owner = None
         await self.side(SideOp.DISCONNECT)
+
+
+def _remember(ended: OrderedDict, key: str, value: Any) -> None:
+    ended.pop(key, None)
+    ended[key] = value
+    while len(ended) > REMEMBERED:
+        ended.popitem(last=False)

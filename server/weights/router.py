@@ -12,6 +12,8 @@ from rollout_sidecar.client.protocol import (
     CommitResponse,
     ConnectRequest,
     ConnectResponse,
+    DisconnectRequest,
+    DisconnectResponse,
     LastPush,
     PrepareRequest,
     PrepareResponse,
@@ -55,6 +57,14 @@ router.add_api_route("/verify", probe, methods=["POST"], response_model=ProbeRes
 @router.post("/connect", response_model=ConnectResponse)
 async def connect(body: ConnectRequest, request: Request) -> ConnectResponse:
     return await _svc(request).connect(body)
+
+
+@router.post("/disconnect", response_model=DisconnectResponse)
+async def disconnect(body: DisconnectRequest, request: Request) -> DisconnectResponse:
+    """Release the data plane now (a trainer done pushing), instead of leaving
+    its lease to run out: 409 if another connection owns it or a push is in
+    progress over it; 200 again for a connection already released."""
+    return await _svc(request).disconnect(body)
 
 
 @router.post("/begin", response_model=BeginResponse)

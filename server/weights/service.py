@@ -3,8 +3,8 @@ phases that live in their own modules.
 
 State lives in two places: who owns the data plane (data_plane.py) and the
 push in progress (push_session.py), both changed only under the session lock.
-This module starts a push (connect, begin) and stages its HTTP buckets; the
-rest is one module per idea:
+This module starts a push (connect, begin), releases a connection
+(disconnect) and stages its HTTP buckets; the rest is one module per idea:
 
 - commit.py: prepare, commit, abort (the two-phase commit, server side),
 - watchdog.py: the deadline and receive-failure watcher of every push,
@@ -26,6 +26,8 @@ from rollout_sidecar.client.protocol import (
     CommitResponse,
     ConnectRequest,
     ConnectResponse,
+    DisconnectRequest,
+    DisconnectResponse,
     LastPush,
     PrepareRequest,
     PrepareResponse,
@@ -120,6 +122,15 @@ class WeightService:
                 raise PushConflict(f"push {p.push_id}{owner} is in progress: another trainer "
                                    "is pushing to this server; connect after it ends", 1.0)
             return await self.plane.connect(req)
+
+    async def disconnect(self, req: DisconnectRequest) -> DisconnectResponse:
+        """A trainer done pushing releases the data plane at once."""
+        async with self.session.lock:
+            p = self.session.current
+            busy = None
+            if p is not None and p.distributed and p.req.connection_id == req.connection_id:
+                busy = f"push {p.push_id} (version {p.req.version}) is {p.state.value}"
+            return await self.plane.disconnect(req, busy)
 
     async def begin(self, req: BeginRequest) -> BeginResponse:
         async with self.session.lock:

@@ -13,6 +13,7 @@ from rollout_sidecar.client.protocol import (
     BeginResponse,
     CommitResponse,
     ConnectResponse,
+    DisconnectResponse,
     LastPush,
     PrepareResponse,
     ProbeRequest,
@@ -94,6 +95,17 @@ class WeightAdminClient:
                 time.sleep(float(retry))
                 continue
             return ConnectResponse.model_validate(self._check(r, "POST", "/weights/connect"))
+
+    def disconnect(self, connection_id: str, trainer_id: str | None = None,
+                   timeout_s: float = 5.0) -> DisconnectResponse:
+        """Release the data plane now (the pusher closes), so the next trainer
+        connects without waiting out the lease. 200 also when it was already
+        released; WeightPushError on a 409 (another connection owns it, or a
+        push is in progress over it) or an unreachable server."""
+        return DisconnectResponse.model_validate(self._call(
+            "POST", "/weights/disconnect", json={"connection_id": connection_id,
+                                                 "trainer_id": trainer_id},
+            timeout=timeout_s))
 
     def begin(self, version: int, transport: str, buckets: list[dict],
               connection_id: str | None, commit_policy: str | None) -> BeginResponse:

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from rollout_sidecar.client.protocol import WeightIndex, WeightStatus
+from rollout_sidecar.client.protocol.wire_format import torch_dtype
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import ServerRestartedError, WeightPushError
 
@@ -56,13 +57,13 @@ class ServingState:
 
     @property
     def serve_dtype(self) -> torch.dtype:
-        return getattr(torch, self.statuses[0].dtype)
+        return torch_dtype(self.statuses[0].dtype)
 
     @property
     def wire_dtypes(self) -> dict[str, torch.dtype]:
         """Each tensor's dtype on the wire: what the served checkpoint holds."""
         assert self.index is not None
-        return {n: getattr(torch, t.dtype) for n, t in self.index.tensors.items()}
+        return {n: torch_dtype(t.dtype) for n, t in self.index.tensors.items()}
 
     @property
     def versions(self) -> list[int]:

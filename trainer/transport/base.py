@@ -34,3 +34,7 @@ class Transport(Protocol):
 
     def reset(self) -> None:
         """Drop the connection (after a failed push the replicas drop theirs)."""
+
+    def close(self) -> None:
+        """The pusher is done: release the connection on every replica (best
+        effort, bounded) and drop ours."""

@@ -7,11 +7,14 @@ however many replicas listen: NCCL broadcasts it, gloo relays it down a chain
 of the receivers (client/protocol/bucket_group.py). Sends are asynchronous;
 the pusher waits on a bucket's send only before reusing its buffer. The group's timeout
 is the servers' push deadline, so a dead server raises on this side as well.
+`close()` releases the connection on every replica (POST /weights/disconnect), so
+the next trainer connects at once: only a crashed trainer's lease runs out.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import uuid
 from typing import Any
@@ -27,6 +30,12 @@ from rollout_sidecar.client.protocol.bucket_group import (
 )
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
+
+log = logging.getLogger(__name__)
+
+# Each replica's POST /weights/disconnect at close: an answer takes
+# milliseconds; a dead or wedged server costs at most this (per HTTP phase).
+DISCONNECT_TIMEOUT_S = 5.0
 
 
 class DistributedTransport:
@@ -115,3 +124,18 @@ class DistributedTransport:
     def reset(self) -> None:
         group, self.group = self.group, None
         close_group(group)
+
+    def close(self, timeout_s: float = DISCONNECT_TIMEOUT_S) -> None:
+        """Release our connection on every replica at once (bounded, best
+        effort: a replica that is down or refuses keeps it until its lease runs
+        out, and the close goes on), then drop our side of the group."""
+        conn, self.connection_id = self.connection_id, None
+        if conn is not None:
+            results = self.replicas.each(
+                lambda admin, i: admin.disconnect(conn, self.trainer_id, timeout_s))
+            for url, r in zip(self.replicas.urls, results, strict=False):
+                if isinstance(r, Exception):
+                    log.warning("disconnect of data-plane connection %s from %s: %s (a "
+                                "connection the server still holds ends with its lease)",
+                                conn, url, r)
+        self.reset()

@@ -39,3 +39,6 @@ class HttpUploadTransport:
 
     def reset(self) -> None:
         pass
+
+    def close(self) -> None:
+        pass  # no connection held

@@ -1,0 +1,38 @@
+"""A PEFT model under FSDP2 and FSDP1 gathers to the same merged tensors as
+PEFT's own `merge_and_unload()` of an unsharded copy, leaves its shards
+untouched, and its sharded forward (the probe's) is the adapted one.
+torchrun, 2 ranks, gloo; no server (tests/peft_merge_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, free_port
+
+WORKER = Path(__file__).with_name("peft_merge_worker.py")
+
+
+def test_fsdp2_and_fsdp1_peft_models_push_peft_merge(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(WORKER), "--out", str(out)],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])),
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert set(report) == {"fsdp2", "fsdp1", "fsdp1_peft_policy"}
+    for wrapper, r in report.items():
+        assert r["error"] is None, (wrapper, r)
+        assert r["names_equal"], (wrapper, r)
+        # PEFT's arithmetic on the gathered factors: bit for bit in fp32
+        assert r["bitwise"] and r["max_abs_diff"] == 0.0, (wrapper, r)
+        assert r["unchanged"], (wrapper, r)
+        assert r["probe_gap"] < 1e-5, (wrapper, r)
+    # FSDP2's row-blocked LoRA targets were joined on rank 0 before merging
+    assert "(64, 64)" in report["fsdp2"]["materialized"], report["fsdp2"]
