@@ -1,0 +1,159 @@
+"""The real TRL 1.16 GRPOTrainer generating through a real server
+(trainer/integrations/trl.py): one process, two DDP processes, TRL's own
+VLLMClient.generate, and a LoRA model pushed merged. (accelerate's FSDP2 plugin
+on CPU hands TRL a DDP model, so FSDP2 under TRL is not covered here yet.)
+
+Each run (trl_worker.py, a subprocess: TRL and accelerate keep process-wide
+state) trains 3 steps of 4 completions (of 8 tokens) per step on the default model
+served in float32. Every run must show: every completion's weight_version is
+the version pushed before it (and reached the reward function), the versions
+count up one per push, every push's probe passed, no push went unread, and
+TRL's log history holds the rewards and the versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, free_port, start_server, stop_server
+
+WORKER = Path(__file__).with_name("trl_worker.py")
+STEPS = 3
+TEMPERATURE = 0.9
+# Mean |served - trainer| sampled-token logprob, as TRL logs it
+# (sampling/sampling_logp_difference/mean): float32 on both sides.
+SAMPLING_GAP_TOL = 1e-3
+pytestmark = pytest.mark.slow
+
+# accelerate's FSDP2 plugin, launched on CPU (no --cpu: that launcher starts one
+# process only; without CUDA accelerate picks gloo and the CPU).
+FSDP2_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_offload_params: false
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+rdzv_backend: static
+same_network: true
+main_training_function: main
+"""
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    # Processed logprobs: what TRL's importance-sampling correction compares with
+    # its own temperature-scaled ones (the runs sample at TEMPERATURE).
+    s = start_server(tmp_path_factory.mktemp("trl"), "trl", dtype="float32",
+                     extra_env={"ROLLOUT_SIDECAR_LOGPROBS_MODE": "processed_logprobs"})
+    yield s
+    stop_server(s)
+
+
+def launch(mode: str, tmp: Path) -> list[str]:
+    """The command that starts the worker's ranks."""
+    port = str(free_port())
+    if mode == "one":
+        return [sys.executable, str(WORKER)]
+    if mode == "ddp":  # torchrun's ranks; TrainingArguments(use_cpu) makes accelerate's state
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", port, str(WORKER)]
+    if mode == "fsdp2":
+        config = tmp / "fsdp2.yaml"
+        config.write_text(FSDP2_CONFIG)
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(config), "--main_process_port", port, str(WORKER)]
+    raise ValueError(mode)
+
+
+def run(srv, tmp: Path, mode: str, *args: str) -> list[dict]:
+    out = tmp / "out"
+    env = dict(os.environ, ROLLOUT_SIDECAR_URL=srv.url,
+               ROLLOUT_SIDECAR_API_TOKEN=srv.api_token,
+               ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get(
+                   "PYTHONPATH")])]))
+    cmd = [*launch(mode, tmp), "--model", str(srv.model_path), "--out", str(out),
+           "--steps", str(STEPS), "--temperature", str(TEMPERATURE), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    assert len(reports) == reports[0]["world_size"]
+    return reports
+
+
+def check(reports: list[dict]) -> None:
+    """The honesty checks every run must pass."""
+    first = reports[0]
+    pushes = first["pushes"]
+    versions = [p["version"] for p in pushes]
+    assert pushes and versions == list(range(versions[0], versions[0] + len(pushes))), pushes
+    assert all(p["probe_passed"] for p in pushes), pushes
+    for r in reports:
+        assert r["global_step"] == STEPS
+        # Every rank pushed together: the same steps and versions.
+        assert [(p["step"], p["version"]) for p in r["pushes"]] == \
+            [(p["step"], p["version"]) for p in pushes]
+        assert r["generations"]
+        for g in r["generations"]:
+            pushed = [p["version"] for p in pushes if p["step"] <= g["step"]][-1]
+            assert g["min_weight_version"] == pushed, (g, pushes)
+            assert set(g["weight_versions"]) == {pushed}, (g, pushes)
+        # The reward function received each completion's version.
+        assert r["reward_versions"] == [v for g in r["generations"] for v in g["weight_versions"]]
+    read = {v for r in reports for g in r["generations"] for v in g["weight_versions"]}
+    assert set(versions) <= read, "a push no generation read"
+    logs = [e for e in first["log_history"] if "reward" in e]
+    assert len(logs) == len(first["generations"]), first["log_history"]
+    assert all("sidecar/weight_version" in e for e in logs)
+    # TRL's importance-sampling correction ran on the served logprobs, and they
+    # are the trainer's own temperature-scaled ones.
+    assert all(r["logprobs_mode"] == "processed_logprobs" and r["use_vllm"] for r in reports)
+    gaps = [e["sampling/sampling_logp_difference/mean"] for e in logs]
+    assert max(gaps) < SAMPLING_GAP_TOL, gaps
+
+
+def test_grpo_one_process(srv, tmp_path):
+    reports = run(srv, tmp_path, "one")
+    check(reports)
+    assert len(reports[0]["pushes"]) == STEPS  # a generation per step: a push per step
+
+
+def test_grpo_steps_per_generation_pushes_only_what_is_read(srv, tmp_path):
+    """Generating every 2 optimizer steps: a push per generation, not per step."""
+    reports = run(srv, tmp_path, "one", "--steps-per-generation", "2", "--batch", "2")
+    check(reports)
+    assert [p["step"] for p in reports[0]["pushes"]] == [0, 2]
+
+
+def test_grpo_two_processes_ddp(srv, tmp_path):
+    reports = run(srv, tmp_path, "ddp", "--batch", "2")
+    check(reports)
+    assert all(r["wrapped_type"] == "DistributedDataParallel" for r in reports)
+
+
+def test_vllm_client_generate(srv, tmp_path):
+    """TRL's VLLMClient.generate against /v1/completions, inside GRPOTrainer."""
+    check(run(srv, tmp_path, "one", "--backend", "vllm_client"))
+
+
+def test_grpo_peft_lora(srv, tmp_path):
+    reports = run(srv, tmp_path, "one", "--peft")
+    check(reports)
+    assert reports[0]["model_type"] == "PeftModelForCausalLM"
