@@ -11,6 +11,7 @@ with transport "http", as bodies of PUT /weights/bucket/{index}.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,10 +54,7 @@ class TensorSlot(StrictModel):
     @property
     def numel(self) -> int:
         """Elements of the whole tensor."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def tensor_nbytes(self) -> int:
