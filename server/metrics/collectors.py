@@ -22,6 +22,11 @@ class ServerMetrics:
         self.generated_tokens = Counter(
             "rollout_sidecar_generated_tokens_total", "Tokens sampled.", registry=r
         )
+        self.engine_generation_tokens = Counter(
+            "rollout_sidecar_engine_generation_tokens_total",
+            "Tokens the engine sampled, delivered or not (work aborted for a client that "
+            "left stops adding to it).", registry=r,
+        )
         self.prompt_tokens = Counter(
             "rollout_sidecar_prompt_tokens_total", "Prompt tokens processed.", registry=r
         )
@@ -89,6 +94,8 @@ class ServerMetrics:
                 if scheduler_stats is not None:
                     metrics.running.set(scheduler_stats.num_running_reqs)
                     metrics.waiting.set(scheduler_stats.num_waiting_reqs)
+                if iteration_stats is not None:
+                    metrics.engine_generation_tokens.inc(iteration_stats.num_generation_tokens)
 
             def log_engine_initialized(self) -> None:
                 pass
