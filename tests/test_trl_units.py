@@ -14,6 +14,7 @@ from torch import nn
 from rollout_sidecar.trainer.integrations.trl import (
     SidecarRollout,
     _unsupported_sampling,
+    fsdp_fallback,
     push_target,
     repeats,
 )
@@ -74,3 +75,24 @@ def test_push_target_unwraps_data_parallel_only():
     m = nn.Linear(2, 2)
     assert push_target(SimpleNamespace(model_wrapped=m)) is m
     assert push_target(SimpleNamespace(model_wrapped=nn.DataParallel(m))) is m
+
+
+@pytest.mark.parametrize("env, fsdp_arg, ran, warns", [
+    ("true", [], "MULTI_CPU", True),     # accelerate launch with an FSDP config, on CPU
+    ("false", ["full_shard"], "MULTI_CPU", True),  # TrainingArguments(fsdp=...)
+    ("true", [], "FSDP", False),          # on a GPU: FSDP ran
+    ("false", [], "MULTI_CPU", False),    # DDP asked, DDP ran
+])
+def test_fsdp_that_accelerate_turned_into_ddp_is_named(monkeypatch, env, fsdp_arg, ran, warns):
+    """A stand-in trainer (SimpleNamespace) with accelerate's own DistributedType."""
+    from accelerate.utils import DistributedType
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", env)
+    t = SimpleNamespace(args=SimpleNamespace(fsdp=fsdp_arg),
+                        accelerator=SimpleNamespace(distributed_type=DistributedType[ran]),
+                        model_wrapped=nn.parallel.DistributedDataParallel.__new__(
+                            nn.parallel.DistributedDataParallel))
+    msg = fsdp_fallback(t)
+    assert (msg is not None) == warns
+    if warns:
+        assert "runs MULTI_CPU (DistributedDataParallel)" in msg and "fully_shard" in msg

@@ -22,9 +22,9 @@ from rollout_sidecar.client import GenerationClient
 from rollout_sidecar.trainer.integrations.trl import sidecar_rollout_func  # sidecar
 
 
-def reward_letter_a(completions, weight_version, **kwargs):
-    """More "a" is better. `weight_version`: the weights each completion came from."""
-    return [c.count("a") / 8 for c in completions]
+def reward_letters(completions, weight_version, **kwargs):
+    """The share of a-z letters. `weight_version`: the weights each completion came from."""
+    return [sum("a" <= ch <= "z" for ch in c) / max(1, len(c)) for c in completions]
 
 
 if __name__ == "__main__":
@@ -47,7 +47,7 @@ if __name__ == "__main__":
         bf16=False, model_init_kwargs={"dtype": torch.float32})
     dataset = Dataset.from_dict({"prompt": [f"Say something about {w}: " for w in
                                             ["apples", "bananas", "cats", "dogs"] * 16]})
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_letter_a, args=config,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_letters, args=config,
                           train_dataset=dataset, peft_config=peft_config,
                           rollout_func=sidecar_rollout_func())  # sidecar
     trainer.train()

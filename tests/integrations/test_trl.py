@@ -31,29 +31,6 @@ TEMPERATURE = 0.9
 SAMPLING_GAP_TOL = 1e-3
 pytestmark = pytest.mark.slow
 
-# accelerate's FSDP2 plugin, launched on CPU (no --cpu: that launcher starts one
-# process only; without CUDA accelerate picks gloo and the CPU).
-FSDP2_CONFIG = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
-  fsdp_reshard_after_forward: true
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_cpu_ram_efficient_loading: false
-  fsdp_offload_params: false
-mixed_precision: 'no'
-num_machines: 1
-num_processes: 2
-machine_rank: 0
-rdzv_backend: static
-same_network: true
-main_training_function: main
-"""
-
-
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     # Processed logprobs: what TRL's importance-sampling correction compares with
@@ -72,11 +49,10 @@ def launch(mode: str, tmp: Path) -> list[str]:
     if mode == "ddp":  # torchrun's ranks; TrainingArguments(use_cpu) makes accelerate's state
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", port, str(WORKER)]
-    if mode == "fsdp2":
-        config = tmp / "fsdp2.yaml"
-        config.write_text(FSDP2_CONFIG)
+    if mode == "fsdp2":  # accelerate's FSDP2 plugin: DDP on CPU (not in CI, see above)
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(config), "--main_process_port", port, str(WORKER)]
+                str(REPO / "examples/trl/fsdp2_cpu.yaml"), "--main_process_port", port,
+                str(WORKER)]
     raise ValueError(mode)
 
 
@@ -122,6 +98,9 @@ def check(reports: list[dict]) -> None:
     logs = [e for e in first["log_history"] if "reward" in e]
     assert len(logs) == len(first["generations"]), first["log_history"]
     assert all("sidecar/weight_version" in e for e in logs)
+    # Every step trained (so every push after the first carried new weights,
+    # and the probe compared them).
+    assert all(e["grad_norm"] > 0 for e in logs), logs
     # TRL's importance-sampling correction ran on the served logprobs, and they
     # are the trainer's own temperature-scaled ones.
     assert all(r["logprobs_mode"] == "processed_logprobs" and r["use_vllm"] for r in reports)

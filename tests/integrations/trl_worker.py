@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -83,9 +84,11 @@ def main() -> None:
     dataset = Dataset.from_dict({"prompt": [f"count to {i}: " for i in range(64)]})
     received: list[int] = []
 
-    def reward_a(completions, weight_version, **kwargs):
+    def reward_letters(completions, weight_version, **kwargs):
         received.extend(weight_version)  # the extra field reaches reward functions
-        return [c.count("a") / 8 for c in completions]
+        # The demo's reward (the share of a-z): it differs within a group, so
+        # every step has advantages, gradients and new weights to push.
+        return [sum("a" <= ch <= "z" for ch in c) / max(1, len(c)) for c in completions]
 
     config = GRPOConfig(
         output_dir=str(Path(args.out) / "trainer"), per_device_train_batch_size=args.batch,
@@ -112,10 +115,12 @@ def main() -> None:
 
         callbacks.append(PushAtStepEnd())
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_a, args=config,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_letters, args=config,
                           train_dataset=dataset, processing_class=tok, rollout_func=rollout,
                           peft_config=peft_config, callbacks=callbacks)
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
 
     rank = trainer.accelerator.process_index
     report = {
@@ -126,6 +131,8 @@ def main() -> None:
         "model_type": type(trainer.model).__name__,
         "wrapped_type": type(trainer.model_wrapped).__name__,
         "param_type": type(next(trainer.model.parameters())).__name__,
+        "sidecar_warnings": [str(w.message) for w in caught
+                             if str(w.message).startswith("rollout-sidecar")],
         "log_history": trainer.state.log_history if rank == 0 else None,
     }
     out = Path(args.out)

@@ -40,6 +40,7 @@ and $ROLLOUT_SIDECAR_ADMIN_TOKEN (or the arguments). Then, on every rank:
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -246,6 +247,9 @@ class SidecarRollout:
         if correct is None:
             correct = bool(trainer.args.vllm_importance_sampling_correction)
         self._check_logprobs(trainer, correct)
+        fallback = fsdp_fallback(trainer)
+        if fallback and trainer.accelerator.is_main_process:
+            warnings.warn(f"rollout-sidecar: {fallback}", stacklevel=3)
         if correct:
             _enable_importance_sampling(trainer, self)
         trainer.add_callback(_close_at_train_end(self))
@@ -292,6 +296,23 @@ def push_target(trainer: Any) -> nn.Module:
     if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
         return model.module
     return model
+
+
+def fsdp_fallback(trainer: Any) -> str | None:
+    """What went wrong when FSDP was asked for and accelerate ran something else.
+
+    accelerate (1.15) turns an FSDP config into FSDP only on accelerator devices;
+    on CPU its state stays MULTI_CPU and `prepare` wraps the model in DDP, with no
+    message: every rank then holds and trains the whole model."""
+    asked = (os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+             or bool(getattr(trainer.args, "fsdp", None)))
+    ran = str(trainer.accelerator.distributed_type)
+    if not asked or ran.endswith("FSDP"):
+        return None
+    return (f"FSDP was configured but accelerate runs {ran.rsplit('.', 1)[-1]} "
+            f"({type(trainer.model_wrapped).__name__}): accelerate enables FSDP only on "
+            "GPU/XPU/NPU-class devices. Pushes still send full weights; for FSDP2 on CPU "
+            "shard with fully_shard under torchrun (examples/fsdp_grpo_step.py)")
 
 
 def _changed_sampling(trainer: Any) -> list[str]:
