@@ -1,0 +1,98 @@
+"""Sparse patch forms side by side (client/protocol/delta_codec.py), no server.
+
+1. How much of a bf16 model changes in one optimizer step: a small Llama with
+   fp32 master weights, one AdamW step at RL learning rates, cast to bf16
+   before and after (the serving dtype is what a push compares).
+2. For one 4096 x 4096 bf16 tensor at densities 0.1% .. 90%: each form's bytes
+   (as a share of dense), encode and apply time, and the push time of the best
+   form against dense at 2, 10 and 25 Gbit/s (wire + encode + apply).
+
+    python bench/delta_codec.py [--size 4096] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from rollout_sidecar.client.protocol.delta_codec import PatchForm, apply, bits, encode
+
+LINKS_GBIT = (2, 10, 25)
+
+
+def changed_share_after_a_step(lr: float) -> float:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=704,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    model = LlamaForCausalLM(cfg)
+    before = [p.detach().to(torch.bfloat16).clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    ids = torch.randint(0, cfg.vocab_size, (8, 64))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    after = [p.detach().to(torch.bfloat16) for p in model.parameters()]
+    diff = sum(int((bits(a) != bits(b)).sum()) for a, b in zip(after, before, strict=True))
+    return diff / sum(b.numel() for b in before)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    print("bf16 elements changed by one AdamW step (fp32 master, small Llama):")
+    for lr in (1e-7, 1e-6, 1e-5):
+        print(f"  lr {lr:g}: {changed_share_after_a_step(lr):.2%}")
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(args.size, args.size, generator=g).to(torch.bfloat16)
+    dense_bytes = base.numel() * base.element_size()
+    print(f"\none {args.size}x{args.size} bf16 tensor ({dense_bytes / 1e6:.1f} MB dense); "
+          "bytes as a share of dense, encode / apply ms; push s = wire + encode + apply")
+    forms = [PatchForm.INDEX, PatchForm.GAPS, PatchForm.BITMAP]
+    head = " ".join(f"{f.value:>20}" for f in forms)
+    links = " ".join(f"{f'{gb} Gbit/s best/dense':>22}" for gb in LINKS_GBIT)
+    print(f"{'density':>8} {head} {'auto':>7} {links}")
+    for density in (0.001, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9):
+        hit = torch.rand(base.shape, generator=g) < density
+        new = base.clone()
+        new[hit] = (base[hit].float() + 0.01).to(torch.bfloat16)
+        cells, cost = [], {}
+        for form in forms:
+            try:
+                patch = encode(new, base, form)
+            except ValueError:  # gaps: changes too far apart
+                cells.append(f"{'-':>20}")
+                continue
+            enc = timed(lambda f=form, n=new: encode(n, base, f), args.repeats)
+            out = base.clone()
+            app = timed(lambda p=patch, o=out: apply(p, o), args.repeats)
+            assert torch.equal(bits(out), bits(new))
+            cost[form] = (patch.nbytes, enc + app)
+            cells.append(f"{patch.nbytes / dense_bytes:>6.1%} {enc * 1e3:>6.0f}/{app * 1e3:<5.0f}")
+        auto = encode(new, base).form
+        speed = []
+        for gb in LINKS_GBIT:
+            wire = 8 / (gb * 1e9)
+            dense_s = dense_bytes * wire
+            best_s = min(n * wire + s for n, s in cost.values())
+            speed.append(f"{best_s:>9.3f}/{dense_s:<6.3f}{dense_s / best_s:>5.1f}x")
+        print(f"{density:>8.1%} {' '.join(cells)} {auto.value:>7} {' '.join(speed)}")
+
+
+if __name__ == "__main__":
+    main()
