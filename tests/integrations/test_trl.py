@@ -98,9 +98,10 @@ def check(reports: list[dict]) -> None:
     logs = [e for e in first["log_history"] if "reward" in e]
     assert len(logs) == len(first["generations"]), first["log_history"]
     assert all("sidecar/weight_version" in e for e in logs)
-    # Every step trained (so every push after the first carried new weights,
-    # and the probe compared them).
-    assert all(e["grad_norm"] > 0 for e in logs), logs
+    # A step before the last push trained, so the pushes after it carried new
+    # weights (Adam keeps moving them after a group whose rewards tied) and the
+    # probe compared those with the trainer's.
+    assert any(e["grad_norm"] > 0 for e in logs[:-1]), logs
     # TRL's importance-sampling correction ran on the served logprobs, and they
     # are the trainer's own temperature-scaled ones.
     assert all(r["logprobs_mode"] == "processed_logprobs" and r["use_vllm"] for r in reports)
