@@ -35,6 +35,7 @@ from rollout_sidecar.client.request_plans import (
     RetryPolicy,
     Send,
     Sleep,
+    Timeouts,
 )
 
 P = ParamSpec("P")
@@ -93,23 +94,27 @@ class _api:  # noqa: N801 - a namespace of job descriptions
 def _blocking(build: Callable[P, Job[T]]) -> Callable[Concatenate[Any, P], T]:
     @functools.wraps(build)
     def method(self: GenerationClient, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._run(build(*args, **kwargs).plan(self._pool, self.retry))
+        return self._run(build(*args, **kwargs).plan(self._pool, self.retry, self.timeouts))
     return method
 
 
 def _awaited(build: Callable[P, Job[T]]) -> Callable[Concatenate[Any, P], Awaitable[T]]:
     @functools.wraps(build)
     async def method(self: AsyncGenerationClient, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self._run(build(*args, **kwargs).plan(self._pool, self.retry))
+        return await self._run(build(*args, **kwargs).plan(self._pool, self.retry,
+                                                           self.timeouts))
     return method
 
 
 class _Replicated:
-    """What both clients hold: the retry policy and the replica pool."""
+    """What both clients hold: the retry policy, the timeouts and the replica pool."""
 
     def __init__(self, base_url: str | Sequence[str] | None, token: str | None,
-                 timeout: float, retry: RetryPolicy | None, refresh_s: float) -> None:
+                 timeout: float, retry: RetryPolicy | None, refresh_s: float,
+                 stall_timeout_s: float | None) -> None:
         self.retry = retry or RetryPolicy()
+        # Each request sets its own read timeout (the stall bound); see request_plans.py.
+        self.timeouts = Timeouts(timeout, stall_timeout_s)
         self._pool = ReplicaPool(base_url or None, refresh_s=refresh_s)  # "": the default
         token = token if token is not None else os.environ.get("ROLLOUT_SIDECAR_API_TOKEN")
         # No base_url: every request names its replica. No transport retries:
@@ -130,12 +135,21 @@ class GenerationClient(_Replicated):
     Service; looked up again every `refresh_s` and when every replica is
     down). Defaults to $ROLLOUT_SIDECAR_URL; the token to
     $ROLLOUT_SIDECAR_API_TOKEN. `transport` replaces httpx's, for every replica.
+
+    `stall_timeout_s`: a replica that sends no response byte for this long
+    (frozen, or a half-dead connection) loses the request to another replica
+    and is skipped for `retry.stall_down_s`; a replica that proves alive
+    (GET /health) but slow gets the request again without this bound, so keep
+    it above your usual request time (a /generate answers only when done).
+    None: off. `timeout`: every other httpx bound, and no retry starts after
+    it (see request_plans.py).
     """
 
     def __init__(self, base_url: str | Sequence[str] | None = None, token: str | None = None,
                  timeout: float = 300.0, retry: RetryPolicy | None = None,
-                 transport: httpx.BaseTransport | None = None, refresh_s: float = 30.0) -> None:
-        super().__init__(base_url, token, timeout, retry, refresh_s)
+                 transport: httpx.BaseTransport | None = None, refresh_s: float = 30.0,
+                 stall_timeout_s: float | None = 30.0) -> None:
+        super().__init__(base_url, token, timeout, retry, refresh_s, stall_timeout_s)
         self._http = httpx.Client(transport=transport, **self._http_kwargs)
 
     def _run(self, plan: Plan[T]) -> T:
@@ -182,8 +196,8 @@ class AsyncGenerationClient(_Replicated):
     def __init__(self, base_url: str | Sequence[str] | None = None, token: str | None = None,
                  timeout: float = 300.0, retry: RetryPolicy | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 refresh_s: float = 30.0) -> None:
-        super().__init__(base_url, token, timeout, retry, refresh_s)
+                 refresh_s: float = 30.0, stall_timeout_s: float | None = 30.0) -> None:
+        super().__init__(base_url, token, timeout, retry, refresh_s, stall_timeout_s)
         self._http = httpx.AsyncClient(transport=transport, **self._http_kwargs)
 
     async def _run(self, plan: Plan[T]) -> T:

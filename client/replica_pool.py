@@ -7,7 +7,10 @@ threads; the async one by tasks of one loop, for which the lock is free):
    and not excluded for this request;
 2. with `min_weight_version`: only those known to hold it; if none is known
    to, those with the highest known version (a push usually reaches every
-   replica, and the server waits, bounded, for a version it is about to get);
+   replica, and the server waits, bounded, for a version it is about to get
+   and refuses at once one that no push in flight brings). Before such a
+   request the plan asks the replicas of unknown version (`claim_version_probe`),
+   so a fresh client does not first try a replica restarted at v0;
 3. with a `session_key`: its rendezvous-hash replica, if rule 1-2 allow it,
    so the turns of one episode reuse that replica's prefix cache;
 4. else the replica with the fewest requests outstanding from this client,
@@ -30,6 +33,9 @@ from rollout_sidecar.client.protocol.endpoints import DNS_PREFIX, expand_urls, u
 # A forced re-resolution (every replica down) at most this often: many
 # requests find the pool down at once, one lookup serves them all.
 MIN_FORCED_REFRESH_S = 1.0
+# A replica's version is asked (GET /info) at most this often: concurrent
+# requests of a fresh client share one probe per replica.
+VERSION_PROBE_EVERY_S = 5.0
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Replica:
     weight_version: int | None = None  # last seen; None before any answer
     down_until: float = 0.0  # on the pool's clock
     last_error: str | None = None
+    version_probed_at: float = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,22 @@ class ReplicaPool:
         with self._lock:
             if (r := self._replicas.get(url)) is not None:
                 r.down_until = 0.0
+
+    def claim_version_probe(self, min_version: int) -> list[str]:
+        """The replicas whose version a request for `min_version` should ask
+        first: none if an up replica is known to hold it, else every up one
+        whose version is unknown (a fresh client, or one that refused) and
+        not asked within `VERSION_PROBE_EVERY_S`. Claiming marks them asked."""
+        with self._lock:
+            now = self.clock()
+            up = [r for r in self._replicas.values() if r.down_until <= now]
+            if any(r.weight_version is not None and r.weight_version >= min_version for r in up):
+                return []
+            ask = [r for r in up if r.weight_version is None
+                   and now - r.version_probed_at >= VERSION_PROBE_EVERY_S]
+            for r in ask:
+                r.version_probed_at = now
+            return [r.url for r in ask]
 
     def wait_s(self, exclude: frozenset[str] | set[str] = frozenset()) -> float:
         """Seconds until the first replica not in `exclude` is up again."""

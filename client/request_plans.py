@@ -5,14 +5,28 @@ A plan is a generator that yields the I/O it wants done (`Send`, `Sleep`,
 `Resolve`) and gets the outcome back; each client only supplies that I/O,
 blocking or awaited, so the retry and routing logic exists once.
 
-Retries (at most `RetryPolicy.attempts` tries): connect errors, where the
-request surely did not reach the server (so safe for POST), and 502/503/504.
-The replica that failed is marked down for what its `Retry-After` says (a
-draining or not-yet-ready server sets it), else an exponential backoff with
-full jitter, and the retry goes to another replica if one is up; with one
-replica, or all down, it waits for the first to come back. A 409 naming
-`min_weight_version` (the server waited for the version in vain) moves the
-request to a replica not yet tried, without counting as a failed attempt.
+Retries (at most `RetryPolicy.attempts` tries, and none begun after the
+client's `timeout` since the call started) go to another replica if one is up;
+with one replica, or all down, the plan waits for the first to come back:
+
+- connect errors (the request surely did not reach the server) and
+  502/503/504: the replica is skipped for what its `Retry-After` says (a
+  draining or not-yet-ready server sets it), else an exponential backoff with
+  full jitter;
+- a stall (connected, then no response byte for the client's
+  `stall_timeout_s`): a short GET /health tells frozen from slow. Frozen: the
+  replica is skipped for `RetryPolicy.stall_down_s`. Slow (it answers, the
+  request just takes longer): the request is sent again without the stall
+  bound, so a long generation costs one lost `stall_timeout_s`, not a failure;
+- a connection reset mid-request (the server died or restarted): skipped for
+  the backoff. Sending a call again after it may have reached a server is safe
+  here: every call is a read or a fresh sampling request.
+
+A 409 naming `min_weight_version` (the replica does not serve it and none is
+on the way) moves the request to a replica not yet tried, without counting as
+a failed attempt; before such a request, replicas of unknown version are asked
+for it (`learn_versions`). When no replica is left, the error names each one
+and what happened to it.
 """
 
 from __future__ import annotations
@@ -33,6 +47,14 @@ T_co = TypeVar("T_co", covariant=True)
 
 # Worth retrying: the server is starting, draining or momentarily unreachable.
 RETRY_STATUS = {502, 503, 504}
+# How a try can fail at the transport: never reached the server, reached it
+# and heard nothing for the stall bound, or lost the connection mid-request.
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+STALLED = (httpx.ReadTimeout, httpx.WriteTimeout)
+RESET = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# A liveness or version probe is one small GET: a replica that cannot answer
+# it within this (or the stall bound, if shorter) is frozen or gone.
+PROBE_TIMEOUT_S = 5.0
 
 
 class SidecarError(RuntimeError):
@@ -61,6 +83,7 @@ class RetryPolicy:
     backoff_s: float = 0.5
     max_backoff_s: float = 8.0
     max_retry_after_s: float = 60.0  # a longer Retry-After is capped, not obeyed
+    stall_down_s: float = 30.0  # a frozen replica (connected, then silent) is skipped this long
 
     def delay(self, attempt: int, response: httpx.Response | None = None) -> float:
         after = retry_after_s(response) if response is not None else None
@@ -109,10 +132,32 @@ Step = Send | Sleep | Resolve
 Plan = Generator[Step, Any, T]
 
 
+@dataclass(frozen=True)
+class Timeouts:
+    """The client's two bounds. `total_s`: httpx's connect, write and pool
+    timeout, the read timeout where stall detection is off, and no retry
+    begins after it since the call started. `stall_s`: no response byte from
+    a replica for this long is a stall (httpx's read timeout is per read, so
+    it measures silence, not duration); None turns stall detection off."""
+
+    total_s: float = 300.0
+    stall_s: float | None = 30.0
+
+    def httpx(self, stall: bool) -> httpx.Timeout:
+        read = self.total_s if not stall or self.stall_s is None else min(self.stall_s,
+                                                                           self.total_s)
+        return httpx.Timeout(self.total_s, read=read)
+
+    @property
+    def probe_s(self) -> float:
+        return min(PROBE_TIMEOUT_S, self.stall_s or PROBE_TIMEOUT_S, self.total_s)
+
+
 class Job(Protocol[T_co]):
     """Something a client can run: it describes its I/O as a plan."""
 
-    def plan(self, pool: ReplicaPool, policy: RetryPolicy) -> Plan[T_co]: ...
+    def plan(self, pool: ReplicaPool, policy: RetryPolicy,
+             timeouts: Timeouts = Timeouts()) -> Plan[T_co]: ...
 
 
 @dataclass
@@ -128,30 +173,41 @@ class Call(Generic[T]):
     min_weight_version: int | None = None
     session_key: str | None = None
 
-    def plan(self, pool: ReplicaPool, policy: RetryPolicy) -> Plan[T]:
+    def plan(self, pool: ReplicaPool, policy: RetryPolicy,
+             timeouts: Timeouts = Timeouts()) -> Plan[T]:
         """Send to the pool's choice until one answers: the parsed answer, or
         the last error once retries (see the module docstring) are spent."""
         if pool.claim_refresh():
             yield Resolve()
+        if self.min_weight_version is not None:
+            yield from learn_versions(pool, policy, timeouts, self.min_weight_version)
+        deadline = pool.clock() + timeouts.total_s
+        stall = timeouts.stall_s is not None  # off once a replica proved merely slow
         failures = 0
         tried: set[str] = set()
-        refused: set[str] = set()  # answered 409: min_weight_version did not arrive
+        refused: set[str] = set()  # answered 409: min_weight_version is not there
+        frozen: set[str] = set()
+        seen: dict[str, str] = {}  # url -> what happened to it, for the final error
         refusal: SidecarError | None = None
+        last: tuple[httpx.TransportError | None, httpx.Response | None] = (None, None)
         while True:
             if refusal is not None and set(pool.urls()) <= refused:
-                raise refusal  # every replica waited for the version in vain
+                raise _exhausted(None, None, seen, refusal)  # none serves the version
             url = pool.pick(min_version=self.min_weight_version, session_key=self.session_key,
                             exclude=refused, tried=tried)
             if url is None:  # every candidate is down: look the name up again, or wait
+                if failures and set(pool.urls()) <= frozen | refused:
+                    raise _exhausted(*last, seen, refusal)  # nobody left to wait for
                 yield Resolve() if pool.claim_refresh(force=True) else Sleep(pool.wait_s(refused))
                 continue
             tried.add(url)
             response: httpx.Response | None = None
             error: httpx.TransportError | None = None
             try:
-                response = yield Send(self.method, url + self.path, self.json, self.kwargs)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                error = e  # never reached the server: safe to send elsewhere
+                response = yield Send(self.method, url + self.path, self.json,
+                                      {"timeout": timeouts.httpx(stall), **self.kwargs})
+            except NEVER_SENT + STALLED + RESET as e:
+                error = e
             finally:
                 pool.done(url)
             if response is not None and response.status_code not in RETRY_STATUS:
@@ -160,13 +216,28 @@ class Call(Generic[T]):
                 refusal = SidecarError.from_response(response)
                 if not self._version_refused(refusal):
                     raise refusal
+                seen[url] = f"refused: {refusal}"
                 refused.add(url)
                 pool.saw_version(url, None)  # e.g. restarted on its checkpoint
                 continue
-            pool.mark_down(url, policy.delay(failures, response), _describe(error, response))
+            down_s, what = policy.delay(failures, response), _describe(error, response)
+            if isinstance(error, STALLED):
+                if (yield from _alive(url, timeouts)):
+                    stall, down_s = False, 0.0
+                    what = f"slow: alive, but silent for {timeouts.stall_s:g}s; sent again"
+                else:
+                    frozen.add(url)
+                    down_s = policy.stall_down_s
+                    what = f"frozen: connected, then silent for {timeouts.stall_s:g}s"
+            elif isinstance(error, RESET):
+                what = f"connection reset mid-request ({what})"
+            seen[url] = what if error is None or not isinstance(error, NEVER_SENT) else (
+                f"unreachable ({what})")
+            pool.mark_down(url, down_s, what)
             failures += 1
-            if failures >= policy.attempts:
-                raise error if response is None else SidecarError.from_response(response)
+            last = (error, response)
+            if failures >= policy.attempts or pool.clock() > deadline:
+                raise _exhausted(error, response, seen, None)
 
     def _parsed(self, response: httpx.Response, url: str, pool: ReplicaPool) -> T:
         result = self.parse(response)
@@ -193,7 +264,8 @@ class ReadyCheck:
     poll_s: float
     min_ready: int | None = None
 
-    def plan(self, pool: ReplicaPool, policy: RetryPolicy) -> Plan[None]:
+    def plan(self, pool: ReplicaPool, policy: RetryPolicy,
+             timeouts: Timeouts = Timeouts()) -> Plan[None]:
         deadline = pool.clock() + self.timeout
         ready: list[str] = []
         while True:
@@ -218,6 +290,53 @@ class ReadyCheck:
                 raise TimeoutError(f"{len(ready)} of {len(urls)} replicas ready, {need} needed, "
                                    f"after {self.timeout:.0f}s; not ready: {', '.join(waiting)}")
             yield Sleep(self.poll_s)
+
+
+def learn_versions(pool: ReplicaPool, policy: RetryPolicy, timeouts: Timeouts,
+                   min_version: int) -> Generator[Step, Any, None]:
+    """Ask the replicas of unknown version for it (GET /info, a short timeout
+    each) when none is known to hold `min_version`, so a fresh client's first
+    try goes to a replica that holds it rather than to one restarted at v0."""
+    for url in pool.claim_version_probe(min_version):
+        try:
+            r = yield Send("GET", url + "/info", kwargs={"timeout": timeouts.probe_s})
+        except httpx.TransportError as e:
+            if isinstance(e, STALLED):
+                pool.mark_down(url, policy.stall_down_s, f"frozen: GET /info timed out ({e})")
+            elif isinstance(e, NEVER_SENT + RESET):
+                pool.mark_down(url, policy.delay(0), _describe(e, None))
+            continue
+        try:
+            version = r.json().get("weight_version") if r.status_code == 200 else None
+        except ValueError:
+            version = None
+        if isinstance(version, int):
+            pool.saw_version(url, version)
+
+
+def _alive(url: str, timeouts: Timeouts) -> Generator[Step, Any, bool]:
+    """Whether `url` answers anything to GET /health within the probe bound:
+    a request that stalled there was slow, not frozen."""
+    try:
+        yield Send("GET", url + "/health", kwargs={"timeout": timeouts.probe_s})
+    except httpx.TransportError:
+        return False
+    return True
+
+
+def _exhausted(error: httpx.TransportError | None, response: httpx.Response | None,
+               seen: dict[str, str], refusal: SidecarError | None) -> Exception:
+    """The error for a call no replica could serve: the last one's type and
+    status (callers catch those), with what happened at each replica."""
+    summary = "; ".join(f"{url}: {what}" for url, what in seen.items())
+    if error is None:
+        last = refusal if response is None else SidecarError.from_response(response)
+        assert last is not None
+        return SidecarError(last.status, f"{last.message} [{summary}]", last.field)
+    named = type(error)(f"no replica could serve the request: {summary}",
+                        request=getattr(error, "_request", None))
+    named.__cause__ = error
+    return named
 
 
 def _describe(error: Exception | None, response: httpx.Response | None) -> str:

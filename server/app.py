@@ -108,7 +108,9 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
 
     @app.exception_handler(MinVersionTimeout)
     async def on_version_timeout(_: Request, exc: MinVersionTimeout) -> JSONResponse:
-        return _error(409, str(exc), "min_weight_version")
+        # Retry-After: when this replica may hold the version; the client asks another now.
+        return _error(409, str(exc), "min_weight_version",
+                      headers={"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(PushConflict)
     async def on_push_conflict(_: Request, exc: PushConflict) -> JSONResponse:

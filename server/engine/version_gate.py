@@ -15,6 +15,12 @@ versions live from admission to its last token.
 A failed load that got past the point of no return marks the gate `broken`:
 admissions answer 503 until a push succeeds, so half-loaded weights never
 serve under a version number.
+
+A request for a `min_weight_version` the server does not hold waits for it
+(bounded) only while a push is in flight (`push_pending`, set by the weight
+service): with none, nothing will bring the version, so it is refused at once
+and the client can ask a replica that holds it (issue 20: a replica restarted
+at v0 held clients for the whole wait before answering 409).
 """
 
 from __future__ import annotations
@@ -22,13 +28,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from rollout_sidecar.server.errors import ServiceUnavailable
 
+# Retry-After of a refused min_weight_version: when asking this replica again
+# may find the version (a trainer pushes to every replica within seconds).
+VERSION_RETRY_AFTER_S = 1
+# How often a request waiting for a version checks that a push is still in flight.
+PUSH_POLL_S = 0.5
+
 
 class MinVersionTimeout(Exception):
-    """The requested `min_weight_version` did not arrive in time."""
+    """The requested `min_weight_version` did not arrive in time, or cannot
+    (no push in flight). Answered 409 with `Retry-After: retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int = VERSION_RETRY_AFTER_S) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Lease:
@@ -64,6 +81,9 @@ class VersionGate:
         self.gated = 0  # requests held at admission now (for metrics)
         self.last_hold_s = 0.0  # how long the last commit kept admissions shut
         self._committing = False
+        # True while a push is begun and not yet committed or failed. None:
+        # nobody tells (a bare gate in unit tests), so wait as if one were.
+        self.push_pending: Callable[[], bool] | None = None
         self._cond = asyncio.Condition()
         self._counts = {"submitting": 0, "in_flight": 0}
         self._idle = {k: asyncio.Event() for k in self._counts}
@@ -84,9 +104,10 @@ class VersionGate:
     async def admit(self, min_version: int | None, timeout_s: float) -> Lease:
         """Wait until no commit is running and `version >= min_version`.
 
-        Raises `MinVersionTimeout` after `timeout_s` if the version never
-        came; without `min_version` a request waits only for a running commit,
-        which is itself bounded (drain bound + load).
+        Raises `MinVersionTimeout` at once if the version is missing and no
+        push is in flight, or after `timeout_s` if the push in flight did not
+        bring it; without `min_version` a request waits only for a running
+        commit, which is itself bounded (drain bound + load).
         """
         def ready() -> bool:
             return not self._committing and (min_version is None or self.version >= min_version)
@@ -98,11 +119,7 @@ class VersionGate:
                     if min_version is None or self.version >= min_version:
                         await self._cond.wait_for(ready)
                     else:
-                        await asyncio.wait_for(self._cond.wait_for(ready), timeout_s)
-                except (asyncio.TimeoutError, TimeoutError) as e:  # distinct on 3.10
-                    raise MinVersionTimeout(
-                        f"weight_version {min_version} not reached within {timeout_s:.0f}s; "
-                        f"server holds {self.version}") from e
+                        await self._wait_for_version(ready, min_version, timeout_s)
                 finally:
                     self.gated -= 1
             if self.broken is not None:
@@ -111,6 +128,27 @@ class VersionGate:
             self._count("submitting", 1)
             self._count("in_flight", 1)
             return Lease(self, self.version)
+
+    def _no_push(self) -> bool:
+        return not self._committing and self.push_pending is not None and not self.push_pending()
+
+    async def _wait_for_version(self, ready: Callable[[], bool], min_version: int,
+                                timeout_s: float) -> None:
+        """Under the condition's lock: wait for `ready`, in slices, so that a
+        push that ends without the version (failed, aborted, or another
+        version) refuses the waiters at once instead of at `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            left = deadline - time.monotonic()
+            if self._no_push() or left <= 0:
+                why = ("is not served and no push is in flight" if left > 0 else
+                       f"not reached within {timeout_s:.0f}s")
+                raise MinVersionTimeout(f"weight_version {min_version} {why}; server holds "
+                                        f"{self.version}")
+            try:
+                await asyncio.wait_for(self._cond.wait_for(ready), min(left, PUSH_POLL_S))
+            except (asyncio.TimeoutError, TimeoutError):  # distinct on 3.10
+                pass
 
     @contextlib.asynccontextmanager
     async def commit_window(self, policy: str, drain_s: float) -> AsyncIterator[str]:

@@ -1,0 +1,225 @@
+"""Failover around a stalled, reset or behind replica (issue 20, part 3).
+
+Unit tests with a fake server: the client's side runs against httpx.MockTransport
+(the project allows fake servers only in unit tests that say so), whose
+handler raises the transport errors a frozen or dying replica causes; time is
+fake (see tests/test_client_routing.py), so nothing here waits and nothing
+asserts a duration. The server's side is the real `VersionGate` and the real
+409 response builder. Two real replicas, one SIGSTOPped, are in
+tests/reliability/test_stalled_replica.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from rollout_sidecar.client import RetryPolicy, SidecarError
+from rollout_sidecar.server.engine.version_gate import MinVersionTimeout, VersionGate
+from tests.test_client_routing import FakeTime, Fleet, url
+
+FAST = RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.02, stall_down_s=30)
+
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    return FakeTime(monkeypatch)
+
+
+def stalled(host: str) -> httpx.ReadTimeout:
+    return httpx.ReadTimeout(f"{host}: no byte within the read timeout")
+
+
+class Frozen(Fleet):
+    """A fleet in which the hosts in `frozen` accept and never answer (every
+    request there times out reading), and each request's read timeout is kept."""
+
+    def __init__(self, frozen: set[str], **versions: int) -> None:
+        super().__init__(**versions)
+        self.frozen = frozen
+        self.read_timeouts: list[tuple[str, str, float]] = []
+        self.lock = threading.Lock()
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        with self.lock:
+            self.read_timeouts.append((host, path, request.extensions["timeout"]["read"]))
+            if host in self.frozen:
+                self.calls.append((host, path))
+                raise stalled(host)
+            return super().handler(request)
+
+
+def test_a_frozen_replica_loses_its_request_and_is_skipped_while_the_other_serves(fake_time):
+    fleet = Frozen({"a"}, a=1, b=1)
+    with fleet.client(fake_time, retry=FAST, stall_timeout_s=3, timeout=300) as c:
+        for _ in range(6):
+            assert c.generate(["x"]).weight_version == 1
+        a = c.replicas()[0]
+    # One try on a, one liveness probe that also went unanswered, then skipped.
+    assert fleet.hosts() == {"a": 1, "b": 6} and fleet.hosts("/health") == {"a": 1}
+    assert a.down_for_s == FAST.stall_down_s and a.last_error.startswith("frozen")
+    assert fake_time.sleeps == []
+    generate_reads = {t for h, p, t in fleet.read_timeouts if p == "/generate"}
+    assert generate_reads == {3}  # the stall bound is httpx's read timeout
+
+
+def test_threads_sharing_a_client_all_finish_on_the_live_replica():
+    fleet = Frozen({"b"}, a=2, b=2)
+    results: list[int] = []
+    with fleet.client(retry=FAST, stall_timeout_s=3) as c:
+        def work() -> None:
+            for _ in range(5):
+                results.append(c.generate(["x"]).weight_version)
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert results == [2] * 40
+    assert fleet.hosts()["a"] == 40 and fleet.hosts()["b"] >= 1
+
+
+def test_a_slow_but_alive_replica_gets_the_request_again_without_the_stall_bound(fake_time):
+    fleet = Fleet(a=1)
+    fleet.script["a"] = [stalled("a")]  # the first try outlasts the bound; /health answers
+    with fleet.client(fake_time, retry=FAST, stall_timeout_s=3, timeout=120) as c:
+        seen: list[float] = []
+        inner = fleet.handler
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/health":
+                fleet.calls.append((request.url.host, "/health"))
+                return httpx.Response(200, json={"status": "ok"})
+            seen.append(request.extensions["timeout"]["read"])
+            return inner(request)
+        c._http._transport = httpx.MockTransport(handler)
+        assert c.generate(["x"]).weight_version == 1
+        a = c.replicas()[0]
+    assert seen == [3, 120] and fleet.hosts("/health") == {"a": 1}
+    assert a.down_for_s == 0 and a.last_error.startswith("slow")
+
+
+def test_a_connection_reset_mid_request_moves_to_another_replica(fake_time):
+    fleet = Fleet(a=1, b=1)
+    for error in (httpx.RemoteProtocolError("Server disconnected without sending a response"),
+                  httpx.ReadError("[Errno 104] Connection reset by peer")):
+        fleet.script["a"] = [error]
+        fleet.calls.clear()
+        with fleet.client(fake_time, hosts=["b", "a"], retry=FAST) as c:  # a is first
+            assert c.generate(["x"]).weight_version == 1
+            a = c.replicas()[1]
+        assert fleet.calls == [("a", "/generate"), ("b", "/generate")]
+        assert a.down_for_s > 0 and a.last_error.startswith("connection reset")
+
+
+def test_when_every_replica_is_frozen_the_error_names_each_at_once(fake_time):
+    fleet = Frozen({"a", "b"}, a=1, b=1)
+    with fleet.client(fake_time, retry=FAST, stall_timeout_s=3) as c:
+        with pytest.raises(httpx.ReadTimeout) as e:
+            c.generate(["x"])
+    message = str(e.value)
+    for host in ("a", "b"):
+        assert f"{url(host)}: frozen: connected, then silent for 3s" in message
+    assert fake_time.sleeps == [] and fleet.hosts() == {"a": 1, "b": 1}
+
+
+def test_the_final_error_says_what_happened_at_each_kind_of_replica(fake_time):
+    fleet = Frozen({"a"}, a=1, b=1, c=1)
+    fleet.script["b"] = [httpx.ConnectError("connection refused by b")] * 9
+    fleet.script["c"] = [httpx.RemoteProtocolError("Server disconnected")] * 9
+    with fleet.client(fake_time, retry=RetryPolicy(attempts=3, stall_down_s=30),
+                      stall_timeout_s=3) as c, pytest.raises(httpx.TransportError) as e:
+        c.generate(["x"])
+    message = str(e.value)
+    assert "frozen: connected, then silent" in message
+    assert "unreachable (ConnectError" in message
+    assert "connection reset mid-request" in message
+
+
+def test_a_fresh_client_learns_versions_before_a_min_weight_version_request():
+    fleet = Fleet(a=0, b=18)  # a restarted at v0
+    with fleet.client(hosts=["a", "b"]) as c:
+        assert c.generate(["x"], min_weight_version=18).weight_version == 18
+        assert c.generate(["x"], min_weight_version=18).weight_version == 18
+        assert [r.weight_version for r in c.replicas()] == [0, 18]
+    assert fleet.hosts("/info") == {"a": 1, "b": 1}  # asked once, not per request
+    assert fleet.hosts() == {"b": 2}  # a never got the request it would refuse
+
+
+def test_a_frozen_replica_does_not_stall_the_version_probe(fake_time):
+    fleet = Frozen({"a"}, a=18, b=18)
+    with fleet.client(fake_time, retry=FAST, stall_timeout_s=3) as c:
+        assert c.generate(["x"], min_weight_version=18).weight_version == 18
+        a = c.replicas()[0]
+    info_reads = [t for h, p, t in fleet.read_timeouts if p == "/info"]
+    assert info_reads and max(info_reads) <= 3  # a probe is bounded by the stall bound
+    assert fleet.hosts() == {"b": 1} and a.down_for_s == FAST.stall_down_s
+
+
+def test_every_replica_refusing_the_version_raises_409_naming_each(fake_time):
+    fleet = Fleet(a=1, b=2)
+    with fleet.client(fake_time, retry=FAST) as c, pytest.raises(SidecarError) as e:
+        c.generate(["x"], min_weight_version=5)
+    assert e.value.status == 409 and e.value.field == "min_weight_version"
+    assert url("a") in str(e.value) and url("b") in str(e.value)
+
+
+# ------------------------------------------------------------------ server side
+
+
+def test_a_version_no_push_brings_is_refused_at_once_with_retry_after():
+    async def main() -> None:
+        gate = VersionGate(0)
+        gate.push_pending = lambda: False
+        # A day's wait: only the missing push can make this answer.
+        with pytest.raises(MinVersionTimeout) as e:
+            await asyncio.wait_for(gate.admit(18, timeout_s=86400), 30)
+        assert "no push is in flight" in str(e.value) and "holds 0" in str(e.value)
+        assert e.value.retry_after_s >= 1  # the app answers 409 with this Retry-After
+        assert gate.gated == 0 and gate.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_a_request_waits_while_a_push_is_in_flight_and_gets_its_version():
+    async def main() -> None:
+        gate = VersionGate(0)
+        pushing = [True]
+        gate.push_pending = lambda: pushing[0]
+        waiter = asyncio.create_task(gate.admit(1, timeout_s=86400))
+        await asyncio.sleep(0.01)
+        assert not waiter.done() and gate.gated == 1
+        await gate.publish(1)
+        pushing[0] = False
+        assert (await asyncio.wait_for(waiter, 30)).version == 1
+
+    asyncio.run(main())
+
+
+def test_a_push_that_fails_releases_its_waiters_with_409():
+    async def main() -> None:
+        gate = VersionGate(0)
+        pushing = [True]
+        gate.push_pending = lambda: pushing[0]
+        waiter = asyncio.create_task(gate.admit(1, timeout_s=86400))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        pushing[0] = False  # the push aborted: version 1 is not coming
+        with pytest.raises(MinVersionTimeout):
+            await asyncio.wait_for(waiter, 30)
+
+    asyncio.run(main())
+
+
+def test_a_gate_nobody_tells_about_pushes_waits_as_before():
+    async def main() -> None:
+        gate = VersionGate(0)  # push_pending None: unknown
+        with pytest.raises(MinVersionTimeout) as e:
+            await gate.admit(1, timeout_s=0.05)
+        assert "not reached within" in str(e.value)
+
+    asyncio.run(main())
