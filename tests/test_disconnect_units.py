@@ -131,6 +131,34 @@ def test_the_service_refuses_to_disconnect_under_a_push_over_that_connection():
     asyncio.run(main())
 
 
+def test_a_push_its_trainer_gave_up_on_ends_at_that_trainers_next_connect():
+    """A replica frozen at prepare thaws and prepares a push its trainer
+    already aborted elsewhere: the trainer's reconnect ends it, where another
+    trainer's connect is still refused (issue 20)."""
+    async def main():
+        svc = WeightService(SimpleNamespace(llm=_FakeLLM()), _settings(), metrics=None,
+                            boot_id="b")
+        failed = []
+
+        async def on_failed(push, reason, outcome, session_open):
+            failed.append((outcome, reason))
+            await svc.plane.drop()  # what the real commit side does for a distributed push
+        svc.session._on_failed = on_failed
+        await svc.connect(_connect("a", "trainer-a"))
+        begin = BeginRequest(version=1, transport="gloo", connection_id="a",
+                             buckets=[{"index": 0, "nbytes": 4, "params": []}])
+        svc.session.current = push = svc.session.new_push(begin, "wait", timeout_s=60)
+        push.state = PushState.PREPARED
+        with pytest.raises(PushConflict, match="is in progress"):
+            await svc.connect(_connect("x", "trainer-x"))
+        assert svc.session.current is push and not failed
+        await svc.connect(_connect("a2", "trainer-a"))
+        assert failed == [("aborted", "superseded: its trainer connected again")]
+        assert svc.session.current is None and svc.plane.owner.id == "a2"
+
+    asyncio.run(main())
+
+
 class _Admin:
     def __init__(self, url: str, answer: Exception | None) -> None:
         self.base_url, self.answer, self.calls = url, answer, []

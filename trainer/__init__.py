@@ -4,6 +4,9 @@ or plain modules, bucket by bucket, and push them to the server. Needs torch
 
 from rollout_sidecar.trainer.errors import (
     NonFiniteWeightsError,
+    PartialCommitError,
+    ReplicaError,
+    ReplicaLostError,
     ServerRestartedError,
     WeightMismatchError,
     WeightPushError,
@@ -12,5 +15,6 @@ from rollout_sidecar.trainer.gather.full_tensors import MetaDeviceError
 from rollout_sidecar.trainer.push_result import PushResult
 from rollout_sidecar.trainer.pusher import WeightPusher
 
-__all__ = ["MetaDeviceError", "NonFiniteWeightsError", "PushResult", "ServerRestartedError",
-           "WeightMismatchError", "WeightPushError", "WeightPusher"]
+__all__ = ["MetaDeviceError", "NonFiniteWeightsError", "PartialCommitError", "PushResult",
+           "ReplicaError", "ReplicaLostError", "ServerRestartedError", "WeightMismatchError",
+           "WeightPushError", "WeightPusher"]

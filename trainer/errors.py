@@ -12,7 +12,16 @@ from __future__ import annotations
 
 
 class WeightPushError(RuntimeError):
-    """A push failed; the server keeps serving its previous weights."""
+    """A push failed; the server keeps serving its previous weights.
+
+    `live`: once any replica committed, the version each replica serves now
+    (url -> version, None where unknown or none: a replica that failed
+    mid-load, or one that cannot be reached); empty before any commit, when
+    every replica keeps its previous version."""
+
+    def __init__(self, message: str = "", live: dict[str, int | None] | None = None) -> None:
+        super().__init__(message)
+        self.live: dict[str, int | None] = dict(live or {})
 
 
 class NonFiniteWeightsError(WeightPushError):
@@ -33,7 +42,26 @@ class WeightMismatchError(WeightPushError):
 class PartialCommitError(WeightPushError):
     """Every replica prepared the push, but the load failed on some: those
     leave the pool (/ready 503 with the reason) until a push succeeds, while
-    the others serve the new version. The message lists every replica."""
+    the others serve the new version. The message lists every replica, and
+    `live` what each serves."""
+
+
+class ReplicaLostError(WeightPushError):
+    """The push committed (`live` says where), then a replica could not be
+    reached for a later step (the probe): it froze, died or restarted. The
+    others serve the new version; the next push finds out about the lost one
+    at its begin."""
+
+
+class ReplicaError(WeightPushError):
+    """One replica's failure in one control call, in one of four words:
+    "unreachable" (no connection: down, or the wrong address), "frozen"
+    (connected, then silent for the stall bound), "refused" (it answered no,
+    with its reason) or "failed" (it answered that a load failed mid-way)."""
+
+    def __init__(self, url: str, phase: str, what: str, detail: str) -> None:
+        super().__init__(f"{url}: {what} during {phase}: {detail}")
+        self.url, self.phase, self.what, self.detail = url, phase, what, detail
 
 
 ErrorKind = str  # one of ERROR_KINDS' keys
@@ -42,7 +70,7 @@ Error = tuple[ErrorKind, str]  # (kind, message): an error as it crosses ranks
 ERROR_KINDS: dict[ErrorKind, type[WeightPushError]] = {
     "push": WeightPushError, "nonfinite": NonFiniteWeightsError,
     "mismatch": WeightMismatchError, "restarted": ServerRestartedError,
-    "partial": PartialCommitError}
+    "partial": PartialCommitError, "lost": ReplicaLostError}
 
 
 def kind_of(e: WeightPushError) -> ErrorKind:
@@ -50,5 +78,6 @@ def kind_of(e: WeightPushError) -> ErrorKind:
     return next((k for k, t in ERROR_KINDS.items() if type(e) is t), "push")
 
 
-def from_kind(kind: ErrorKind, message: str) -> WeightPushError:
-    return ERROR_KINDS.get(kind, WeightPushError)(message)
+def from_kind(kind: ErrorKind, message: str, live: dict[str, int | None] | None = None
+              ) -> WeightPushError:
+    return ERROR_KINDS.get(kind, WeightPushError)(message, live)

@@ -29,9 +29,15 @@ import torch
 from torch import nn
 
 from rollout_sidecar.client.protocol import ProbeRequest, ProbeResult
-from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
+from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins, failures
 from rollout_sidecar.trainer.control.serving_state import ServingState
-from rollout_sidecar.trainer.errors import WeightMismatchError
+from rollout_sidecar.trainer.control.two_phase import live_versions
+from rollout_sidecar.trainer.errors import (
+    ReplicaError,
+    ReplicaLostError,
+    WeightMismatchError,
+    WeightPushError,
+)
 from rollout_sidecar.trainer.rank_agreement import agree
 
 PROBE_TOKENS = 64
@@ -102,6 +108,22 @@ def trainer_logprobs(model: nn.Module, token_ids: list[int], device: torch.devic
     return picked.cpu().tolist(), logits.dtype
 
 
+def lost_in_probe(version: int, urls: list[str], results: list, bad: list[int]
+                  ) -> WeightPushError:
+    """The probe could not ask some replicas: every replica committed
+    `version` (the probe runs after the commit), so say that it is live, and
+    what happened to the ones the probe could not reach."""
+    live = {u: version for u in urls}
+    errors = "; ".join(str(results[i]) for i in bad)
+    probed = [urls[i] for i in range(len(urls)) if i not in bad]
+    message = (f"version {version} committed and live on every replica "
+               f"({live_versions(live)}), but the probe failed on {len(bad)} of {len(urls)}: "
+               f"{errors}" + (f"; probed: {', '.join(probed)}" if probed else ""))
+    lost = all(isinstance(results[i], ReplicaError) and results[i].what in
+               ("frozen", "unreachable") for i in bad)
+    return (ReplicaLostError if lost else WeightPushError)(message, live)
+
+
 def probe_push(model: nn.Module, version: int, replicas: ReplicaAdmins | None,
                serving: ServingState | None, forward: bool | Forward,
                tolerance: float | None, device: torch.device | None) -> ProbeResult:
@@ -120,7 +142,9 @@ def probe_push(model: nn.Module, version: int, replicas: ReplicaAdmins | None,
         tol = tolerance or default_tolerance(serving.serve_dtype, logits_dtype)
         req = ProbeRequest(version=version, token_ids=ids, trainer_logprobs=logprobs,
                            tolerance=tol)
-        results = replicas.all(lambda a, i: a.probe(req), "probe")
+        results = replicas.each(lambda a, i: a.probe(req, serving.commit_timeout_s))
+        if bad := failures(results):
+            raise lost_in_probe(version, replicas.urls, results, bad)
         # A failed replica first, then the largest gap: the one worth naming.
         worst = max(range(len(results)), key=lambda i: (not results[i].passed,
                                                         results[i].mean_abs_dlogp))

@@ -76,6 +76,13 @@ class PushConfig:
     takeover: bool = False
     """Connect even while another trainer's connection is live."""
 
+    stall_timeout_s: float = 15.0
+    """The one deadline setting: no progress for this long, in any phase of a
+    push, fails it (control/deadlines.py derives every wait from it). A
+    replica that froze fails the push within about twice this, naming the
+    replica, while the others keep serving. The trainer must also hand the
+    data plane each bucket within it (gathering one bucket is seconds)."""
+
     lease_wait_s: float = 60.0
     """How long to wait for another trainer's connection lease to run out (a
     restarted trainer finds its old self there) before raising."""
@@ -109,6 +116,8 @@ class PushConfig:
             raise ValueError(f"bucket_mb must be positive, not {self.bucket_mb!r}")
         if self.probe_tolerance is not None and not self.probe_tolerance > 0:
             raise ValueError(f"probe_tolerance must be positive, not {self.probe_tolerance!r}")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be positive, not {self.stall_timeout_s!r}")
         if self.lease_wait_s < 0:
             raise ValueError(f"lease_wait_s must be >= 0, not {self.lease_wait_s!r}")
         # Values under 1 always meant "every push"; keep accepting them.

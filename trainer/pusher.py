@@ -13,7 +13,8 @@ A push, in order:
 Only rank 0 talks to the servers. After steps 2, 4 and 5 the ranks agree on
 the outcome (rank_agreement.py): whatever rank 0 hit is raised on every rank
 at the same point instead of leaving peers blocked in a collective. Every
-wait is bounded by the servers' push deadline (`/weights/status`).
+wait is bounded (control/deadlines.py): a stall by `stall_timeout_s`, a slow
+phase by the servers' push deadline (`/weights/status`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from rollout_sidecar.client.protocol import BucketManifest, CommitPolicy
+from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.control.serving_state import ServingState
 from rollout_sidecar.trainer.control.two_phase import TwoPhaseCommit
@@ -90,7 +92,7 @@ class WeightPusher:
         self.transport: Transport | None = None
         if self.rank == 0:
             c = self.config
-            self.replicas = ReplicaAdmins(url, admin_token)
+            self.replicas = ReplicaAdmins(url, admin_token, Deadlines(c.stall_timeout_s))
             self.transport = HttpUploadTransport(self.replicas) if c.transport == "http" else \
                 DistributedTransport(self.replicas, c.transport, c.data_plane_host, c.takeover,
                                      c.lease_wait_s, c.fanout)
@@ -168,7 +170,8 @@ class WeightPusher:
         plan = CheckpointLayout(merge.base_model).plan(merge.plan(param_plan(model, buffers)))
         buckets = plan_buckets(plan, serving.serve_dtype, self.config.bucket_bytes,
                                serving.wire_dtypes, self.config.split_tensors)
-        push_ids = self._two_phase.begin(version, manifest(buckets), self.config.commit_policy)
+        push_ids = self._two_phase.begin(version, manifest(buckets), self.config.commit_policy,
+                                         serving.commit_timeout_s)
         return _Begun(buckets, push_ids, buffers, restarted)
 
     def _gather_and_send(self, model: nn.Module, begun: _Begun) -> tuple[list[int], Error | None]:
@@ -201,8 +204,12 @@ class WeightPusher:
         """Rank 0: abort on a send error, else prepare and commit everywhere."""
         two_phase = self._two_phase
         if err is not None:
-            two_phase.abort(begun.push_ids, err[1])
-            raise from_kind(*err)
+            kind, message = err
+            if kind == "push":  # the data plane or a replica failed: say what each answered
+                message = two_phase.abort_after_send_error(begun.push_ids, message)
+            else:
+                two_phase.abort(begun.push_ids, message)
+            raise from_kind(kind, message)
         timeout_s = self._serving.commit_timeout_s
         prepared = two_phase.prepare(begun.push_ids, checksums, timeout_s,
                                      self._serving.versions)

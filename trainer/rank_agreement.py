@@ -42,7 +42,7 @@ def agree(step: Callable[[], T]) -> T:
     try:
         out: Any = ("ok", step())
     except WeightPushError as e:
-        out = ("error", (kind_of(e), str(e)))
+        out = ("error", (kind_of(e), str(e), e.live))
     except Exception as e:
         out = ("error", ("push", f"{type(e).__name__}: {e}"))
     status, value = broadcast(out)

@@ -118,8 +118,24 @@ class WeightService:
 
     # -------------------------------------------------------- connect, begin
 
+    async def _supersede(self, trainer_id: str | None) -> None:
+        """End a push its own trainer gave up on (lock held): a trainer that
+        found this replica frozen at begin or prepare moved on, and the
+        request it sent arrives once the replica thaws, opening a push nobody
+        will finish. That trainer's next connect (it rebuilds its group after
+        any failure) ends it at once, instead of being refused until
+        `push_timeout_s` passes. A commit, or a check under way, finishes."""
+        p, owner = self.session.current, self.plane.owner
+        if p is None or p.state not in (PushState.RECEIVING, PushState.PREPARED):
+            return
+        if trainer_id is not None and owner is not None and owner.trainer_id == trainer_id \
+                and p.req.connection_id == owner.id:
+            await self.session.fail(p, "superseded: its trainer connected again",
+                                    outcome="aborted")
+
     async def connect(self, req: ConnectRequest) -> ConnectResponse:
         async with self.session.lock:
+            await self._supersede(req.trainer_id)
             if (p := self.session.current) is not None:
                 owner = f" by connection {p.req.connection_id}" if p.req.connection_id else ""
                 raise PushConflict(f"push {p.push_id}{owner} is in progress: another trainer "

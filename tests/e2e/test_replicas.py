@@ -1,6 +1,7 @@
 """Two real server replicas (vLLM CPU) fed by one 2-rank FSDP2 trainer
 (torchrun, gloo): each bucket is broadcast once to both, and a push is
-all-or-nothing across them.
+all-or-nothing across them. Then the chaos test: one replica frozen at each
+phase of a push, with clients generating throughout.
 
 One pair of servers for the module; the tests run in order and each starts
 from the versions the previous one left.
@@ -16,19 +17,28 @@ import httpx
 import pytest
 
 from rollout_sidecar.client import GenerationClient
+from rollout_sidecar.trainer import PartialCommitError, ReplicaLostError, WeightPushError
 from tests.conftest import start_server, stop_server
+from tests.e2e.chaos import PHASES, Freezer, Traffic, freeze_at, timed, unhook
 from tests.e2e.test_push import assert_pushed, run_worker
 
 pytestmark = pytest.mark.slow
 
 
+# The servers' push budget. A frozen replica must fail a push well inside it:
+# the stall bound (STALL_S), not the budget, is what ends such a push.
+PUSH_TIMEOUT_S = 120
+STALL_S = 8
+
+
 class Pair:
     def __init__(self, tmp):
         self.tmp = tmp
-        self.a = start_server(tmp, "replica-a")
+        budget = {"ROLLOUT_SIDECAR_PUSH_TIMEOUT_S": str(PUSH_TIMEOUT_S)}
+        self.a = start_server(tmp, "replica-a", extra_env=budget)
         # Same tokens for both, so one trainer (and one client) talks to each.
         self.b = start_server(tmp, "replica-b", extra_env={
-            "ROLLOUT_SIDECAR_API_TOKEN": self.a.api_token,
+            **budget, "ROLLOUT_SIDECAR_API_TOKEN": self.a.api_token,
             "ROLLOUT_SIDECAR_ADMIN_TOKEN": self.a.admin_token})
         self.b.api_token, self.b.admin_token = self.a.api_token, self.a.admin_token
 
@@ -123,7 +133,7 @@ def test_replica_killed_mid_push_publishes_nowhere_then_rejoins(pair, tmp_path):
     v = max(pair.versions())
     _, proc, report = push(pair, tmp_path, "kill_replica",
                            env={"KILL_REPLICA_PID": str(pair.b.proc.pid)})
-    assert report["error"], report
+    assert report["error"] and pair.b.url in report["error"], report
     pair.b.proc.wait(30)
     with pair.a.client() as c:  # the survivor kept serving the old version
         r = c.generate(["still serving?"], sampling=dict(max_tokens=4))
@@ -138,3 +148,73 @@ def test_replica_killed_mid_push_publishes_nowhere_then_rejoins(pair, tmp_path):
     a, b = report["replicas"]
     assert a["weight_version"] == b["weight_version"] == v + 1
     assert a["logprobs"] == b["logprobs"]
+
+
+# ------------------------------------------------------------------- chaos
+
+
+@pytest.fixture(scope="module")
+def chaos_trainer(pair):
+    from rollout_sidecar.trainer import WeightPusher
+    from tests.reliability.conftest import model_of
+    from tests.reliability.oracle import VersionedWeights
+
+    pusher = WeightPusher(pair.url, admin_token=pair.a.admin_token, bucket_mb=1,
+                          stall_timeout_s=STALL_S)
+    yield pusher, VersionedWeights(model_of(pair.a))
+    pusher.close()
+
+
+def test_a_frozen_replica_fails_the_push_fast_naming_it_while_clients_keep_going(
+        pair, chaos_trainer, record_property):
+    """Replica B frozen (SIGSTOP of its server and engine) at each phase of a
+    push, four client threads generating over both replicas throughout: the
+    push fails within the stall bounds, not the push budget, on every phase,
+    naming B as frozen; before the commit no response carries the failed
+    version; after it, the error says which version is live where; the
+    clients keep completing requests on A; and once B is thawed the next push
+    succeeds on both."""
+    pusher, weights = chaos_trainer
+    rows = []
+    with Traffic(pair.url, pair.a.api_token, stall_timeout_s=5) as traffic:
+        time.sleep(2)
+        for phase in PHASES:
+            before = pair.versions()
+            v = max(before) + 1
+            freezer = Freezer(pair.b.proc.pid)
+            freeze_at(pusher, 1, phase, freezer)
+            try:
+                _, out = timed(lambda v=v: pusher.push(weights.load(v), version=v))
+                failed_at = time.monotonic()
+                frozen_at = freezer.frozen_at
+            finally:
+                unhook(pusher)
+                freezer.thaw()
+            assert frozen_at is not None, f"{phase}: the hook never froze B"
+            during = (frozen_at, failed_at)
+            row = dict(phase=phase, to_error_s=round(failed_at - frozen_at, 1),
+                       error=str(out), per_10s=round(traffic.per_10s(*during), 1),
+                       served_during=sorted(traffic.versions(*during)))
+            assert isinstance(out, WeightPushError), (phase, out)
+            assert failed_at - frozen_at < PUSH_TIMEOUT_S / 2, row
+            assert pair.b.url in str(out) and "frozen" in str(out), row
+            if phase in ("begin", "transfer", "prepare"):  # nothing published anywhere
+                assert v not in row["served_during"], row
+                assert type(out) is WeightPushError and not out.live, row
+            elif phase == "commit":
+                assert isinstance(out, PartialCommitError), row
+                assert out.live[pair.a.url] == v and out.live[pair.b.url] is None, row
+            else:
+                assert isinstance(out, ReplicaLostError), row
+                assert out.live == {pair.a.url: v, pair.b.url: v}, row
+            assert row["per_10s"] > 0, row  # A kept serving the clients
+            row["live_after_thaw"] = pair.versions()
+            nxt = max(row["live_after_thaw"]) + 1
+            row["next_push_s"], result = timed(
+                lambda nxt=nxt: pusher.push(weights.load(nxt), version=nxt))
+            assert not isinstance(result, BaseException), (row, result)
+            assert pair.versions() == [nxt, nxt], row
+            rows.append(row)
+            print("chaos:", row)  # the fault table of docs/replicas.md
+    record_property("chaos", rows)
+    assert len(traffic.done) > 0 and not traffic.errors, traffic.errors[:5]

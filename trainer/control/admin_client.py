@@ -1,4 +1,11 @@
-"""The pusher's HTTP control plane: the /weights/* admin routes."""
+"""The pusher's HTTP control plane: the /weights/* admin routes.
+
+Every call is bounded by the push's deadlines (deadlines.py): a quick call by
+the stall bound, a long one (connect, begin, prepare, commit, probe) by its
+phase's budget and a liveness watch. A failure raises `ReplicaError` naming
+the replica, the phase and what happened, in one of four words: unreachable,
+frozen, refused (with the server's reason) or failed (a load that failed).
+"""
 
 from __future__ import annotations
 
@@ -22,46 +29,85 @@ from rollout_sidecar.client.protocol import (
     WeightStatus,
 )
 from rollout_sidecar.client.protocol.endpoints import auth_headers
-from rollout_sidecar.trainer.errors import WeightPushError
+from rollout_sidecar.trainer.control.deadlines import Deadlines, Stalled, watched
+from rollout_sidecar.trainer.errors import ReplicaError
+
+# Connection errors: the request never reached the server.
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+# A liveness or quick call that timed out once connected: the server is frozen.
+SILENT = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
 
 
 class WeightAdminClient:
     """Token from the argument or $ROLLOUT_SIDECAR_ADMIN_TOKEN (never logged)."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 60.0) -> None:
+    def __init__(self, base_url: str, token: str | None = None,
+                 deadlines: Deadlines | None = None) -> None:
         token = token if token is not None else os.environ.get("ROLLOUT_SIDECAR_ADMIN_TOKEN")
         self.base_url = base_url
+        self.deadlines = deadlines or Deadlines()
         self._http = httpx.Client(base_url=base_url, headers=auth_headers(token),
-                                  timeout=timeout)
+                                  timeout=self.deadlines.quick)
 
-    def _call(self, method: str, path: str, **kw: Any) -> dict:
+    def _call(self, method: str, path: str, phase: str, budget_s: float | None = None,
+              **kw: Any) -> dict:
+        """One request; `budget_s`: a long call, watched (see deadlines.py)."""
+        return self._check(self._send(method, path, phase, budget_s, **kw), method, path, phase)
+
+    def _send(self, method: str, path: str, phase: str, budget_s: float | None,
+              **kw: Any) -> httpx.Response:
+        d = self.deadlines
         try:
-            r = self._http.request(method, path, **kw)
+            if budget_s is None:
+                return self._http.request(method, path, **kw)
+            return watched(lambda: self._http.request(method, path, timeout=d.long(budget_s),
+                                                      **kw), self.alive, d)
+        except Stalled as e:
+            what = "unreachable" if isinstance(e.cause, NEVER_SENT) else "frozen"
+            raise ReplicaError(self.base_url, phase, what, str(e)) from e
         except httpx.TransportError as e:
-            raise WeightPushError(f"{method} {path}: server unreachable: {e}") from e
-        return self._check(r, method, path)
+            raise self._transport_error(e, phase, budget_s) from e
 
-    @staticmethod
-    def _check(r: httpx.Response, method: str, path: str) -> dict:
+    def _transport_error(self, e: httpx.TransportError, phase: str, budget_s: float | None
+                         ) -> ReplicaError:
+        if isinstance(e, NEVER_SENT):
+            return ReplicaError(self.base_url, phase, "unreachable",
+                                f"no connection ({type(e).__name__}: {e})")
+        if isinstance(e, SILENT):
+            silent = self.deadlines.stall_s if budget_s is None else budget_s
+            return ReplicaError(self.base_url, phase, "frozen",
+                                f"connected, then silent for {silent:g}s")
+        return ReplicaError(self.base_url, phase, "unreachable", "connection lost mid-call "
+                            f"(the server died or restarted: {type(e).__name__}: {e})")
+
+    def alive(self) -> None:
+        """Raise httpx's error unless the server's HTTP process answers
+        anything (GET /ready: no engine round trip) within the stall bound."""
+        self._http.get("/ready", timeout=self.deadlines.quick)
+
+    def _check(self, r: httpx.Response, method: str, path: str, phase: str) -> dict:
         if r.is_error:
             try:
                 msg = r.json().get("error", r.text)
             except ValueError:
                 msg = r.text[:500]
-            raise WeightPushError(f"{method} {path} -> HTTP {r.status_code}: {msg}")
+            # A commit answered 5xx: the load failed (the server says how).
+            what = "failed" if phase == "commit" and r.status_code >= 500 else "refused"
+            raise ReplicaError(self.base_url, phase, what,
+                               f"{method} {path} -> HTTP {r.status_code}: {msg}")
         return r.json()
 
     def status(self) -> WeightStatus:
-        return WeightStatus.model_validate(self._call("GET", "/weights/status"))
+        return WeightStatus.model_validate(self._call("GET", "/weights/status", "status"))
 
     def index(self) -> WeightIndex:
-        return WeightIndex.model_validate(self._call("GET", "/weights/index"))
+        return WeightIndex.model_validate(self._call("GET", "/weights/index", "index"))
 
-    def probe(self, req: ProbeRequest) -> ProbeResult:
+    def probe(self, req: ProbeRequest, budget_s: float = 300.0) -> ProbeResult:
         """Have the server score the probe tokens under the version just
         committed and compare them with the trainer's logprobs."""
         return ProbeResult.model_validate(self._call(
-            "POST", "/weights/probe", content=req.model_dump_json(),
+            "POST", "/weights/probe", "probe", budget_s, content=req.model_dump_json(),
             headers={"Content-Type": "application/json"}))
 
     def verify(self, req: ProbeRequest) -> ProbeResult:
@@ -86,15 +132,15 @@ class WeightAdminClient:
             body.update(store_host=store[0], store_port=store[1])
         deadline = time.monotonic() + lease_wait_s
         while True:
-            try:
-                r = self._http.post("/weights/connect", json=body, timeout=timeout_s + 30)
-            except httpx.TransportError as e:
-                raise WeightPushError(f"POST /weights/connect: server unreachable: {e}") from e
+            # The server answers once the whole group formed: its join's bound, plus slack.
+            r = self._send("POST", "/weights/connect", "connect",
+                           timeout_s + self.deadlines.stall_s, json=body)
             retry = r.headers.get("Retry-After")
             if r.status_code == 409 and retry and time.monotonic() + float(retry) < deadline:
                 time.sleep(float(retry))
                 continue
-            return ConnectResponse.model_validate(self._check(r, "POST", "/weights/connect"))
+            return ConnectResponse.model_validate(self._check(r, "POST", "/weights/connect",
+                                                              "connect"))
 
     def disconnect(self, connection_id: str, trainer_id: str | None = None,
                    timeout_s: float = 5.0) -> DisconnectResponse:
@@ -103,35 +149,42 @@ class WeightAdminClient:
         released; WeightPushError on a 409 (another connection owns it, or a
         push is in progress over it) or an unreachable server."""
         return DisconnectResponse.model_validate(self._call(
-            "POST", "/weights/disconnect", json={"connection_id": connection_id,
-                                                 "trainer_id": trainer_id},
-            timeout=timeout_s))
+            "POST", "/weights/disconnect", "disconnect",
+            json={"connection_id": connection_id, "trainer_id": trainer_id},
+            timeout=min(timeout_s, self.deadlines.stall_s)))
 
     def begin(self, version: int, transport: str, buckets: list[dict],
-              connection_id: str | None, commit_policy: str | None) -> BeginResponse:
-        return BeginResponse.model_validate(self._call("POST", "/weights/begin", json={
+              connection_id: str | None, commit_policy: str | None,
+              budget_s: float = 300.0) -> BeginResponse:
+        """Checks the manifest and allocates staging: watched, since a large
+        model's staging takes a while."""
+        return BeginResponse.model_validate(self._call("POST", "/weights/begin", "begin",
+                                                       budget_s, json={
             "version": version, "transport": transport, "connection_id": connection_id,
             "commit_policy": commit_policy, "buckets": buckets}))
 
-    def put_bucket(self, push_id: str, index: int, data: bytes, checksum: int) -> None:
-        self._call("PUT", f"/weights/bucket/{index}", content=data, headers={
-            "X-Push-Id": push_id, "X-Checksum": str(checksum),
-            "Content-Type": "application/octet-stream"})
+    def put_bucket(self, push_id: str, index: int, data: bytes, checksum: int,
+                   budget_s: float = 300.0) -> None:
+        self._call("PUT", f"/weights/bucket/{index}", "transfer", budget_s, content=data,
+                   headers={"X-Push-Id": push_id, "X-Checksum": str(checksum),
+                            "Content-Type": "application/octet-stream"})
 
     def prepare(self, push_id: str, checksums: list[int], timeout_s: float) -> PrepareResponse:
         """Phase 1: waits until every bucket arrived and passed its CRC."""
-        return PrepareResponse.model_validate(self._call("POST", "/weights/prepare", json={
-            "push_id": push_id, "checksums": checksums}, timeout=timeout_s))
+        return PrepareResponse.model_validate(self._call("POST", "/weights/prepare", "prepare",
+                                                         timeout_s, json={
+            "push_id": push_id, "checksums": checksums}))
 
     def commit(self, push_id: str, checksums: list[int] | None, timeout_s: float
                ) -> CommitResponse:
         """Phase 2 (or both phases, given `checksums`): waits for the server's
         (check +) drain + load; `timeout_s` covers them."""
-        return CommitResponse.model_validate(self._call("POST", "/weights/commit", json={
-            "push_id": push_id, "checksums": checksums}, timeout=timeout_s))
+        return CommitResponse.model_validate(self._call("POST", "/weights/commit", "commit",
+                                                        timeout_s, json={
+            "push_id": push_id, "checksums": checksums}))
 
     def abort(self, push_id: str, reason: str) -> LastPush:
-        return LastPush.model_validate(self._call("POST", "/weights/abort", json={
+        return LastPush.model_validate(self._call("POST", "/weights/abort", "abort", json={
             "push_id": push_id, "reason": reason}))
 
     def close(self) -> None:

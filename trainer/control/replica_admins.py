@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 from rollout_sidecar.client.protocol.endpoints import expand_urls
 from rollout_sidecar.trainer.control.admin_client import WeightAdminClient
-from rollout_sidecar.trainer.errors import WeightPushError
+from rollout_sidecar.trainer.control.deadlines import Deadlines
+from rollout_sidecar.trainer.errors import ReplicaError, WeightPushError
 
 T = TypeVar("T")
 
@@ -26,9 +27,11 @@ class ReplicaAdmins:
     """One `WeightAdminClient` per replica; `urls` as `expand_urls` reads
     them (a list, a comma-separated string, or a `dns+` headless Service)."""
 
-    def __init__(self, urls: str | Sequence[str] | None, token: str | None) -> None:
+    def __init__(self, urls: str | Sequence[str] | None, token: str | None,
+                 deadlines: Deadlines | None = None) -> None:
         self.spec = urls
         self.token = token
+        self.deadlines = deadlines or Deadlines()
         self.admins: list[WeightAdminClient] = []
         self.refresh()
 
@@ -39,7 +42,7 @@ class ReplicaAdmins:
         if urls == [a.base_url for a in self.admins]:
             return False
         self.close()
-        self.admins = [WeightAdminClient(u, self.token) for u in urls]
+        self.admins = [WeightAdminClient(u, self.token, self.deadlines) for u in urls]
         return True
 
     @property
@@ -66,12 +69,17 @@ class ReplicaAdmins:
                   if isinstance(r, Exception)]
         if errors:
             raise WeightPushError(f"{what} failed on {len(errors)} of {len(results)} "
-                                  "replicas: " + "; ".join(f"{u}: {e}" for u, e in errors))
+                                  "replicas: " + named(errors))
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
         for a in self.admins:
             a.close()
+
+
+def named(errors: Sequence[tuple[str, Exception]]) -> str:
+    """Each replica's error, led by its URL (a `ReplicaError` names it itself)."""
+    return "; ".join(str(e) if isinstance(e, ReplicaError) else f"{u}: {e}" for u, e in errors)
 
 
 def failures(results: Sequence[Any]) -> list[int]:

@@ -5,8 +5,10 @@ replica, rendezvoused through the first replica's TCPStore, so it never
 touches the trainer's FSDP process group. Each bucket leaves rank 0 once,
 however many replicas listen: NCCL broadcasts it, gloo relays it down a chain
 of the receivers (client/protocol/bucket_group.py). Sends are asynchronous;
-the pusher waits on a bucket's send only before reusing its buffer. The group's timeout
-is the servers' push deadline, so a dead server raises on this side as well.
+the pusher waits on a bucket's send only before reusing its buffer. The group's
+per-operation timeout is the stall bound (control/deadlines.py): a piece that
+does not move for that long fails the transfer on every rank, server and
+trainer alike, whatever the push's overall budget.
 `close()` releases the connection on every replica (POST /weights/disconnect), so
 the next trainer connects at once: only a crashed trainer's lease runs out.
 """
@@ -79,7 +81,7 @@ class DistributedTransport:
             return
         self.reset()
         conn_id = self.connection_id = uuid.uuid4().hex[:12]
-        timeout_s = max(s.push_timeout_s for s in statuses)
+        timeout_s = self.replicas.deadlines.group_timeout_s
         offsets = [1]
         for s in statuses:
             offsets.append(offsets[-1] + s.data_plane_ranks)
