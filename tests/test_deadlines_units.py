@@ -152,7 +152,7 @@ def test_a_commit_frozen_on_one_replica_says_which_version_is_live_where(frozen_
     with pytest.raises(PartialCommitError) as e:
         TwoPhaseCommit(rs, _Transport()).commit(["p", "p"], BUDGET_S)
     assert e.value.live == {live: 5, frozen_url: None}
-    assert f"{frozen_url}: frozen during commit" in str(e.value)
+    assert f"{frozen_url}: failed (frozen during commit: connected" in str(e.value)
     assert f"live: {live} v5, {frozen_url} unknown" in str(e.value)
     # The same facts reach every trainer rank (errors cross ranks as kind + message + live).
     again = from_kind(kind_of(e.value), str(e.value), e.value.live)

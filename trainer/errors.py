@@ -63,6 +63,11 @@ class ReplicaError(WeightPushError):
         super().__init__(f"{url}: {what} during {phase}: {detail}")
         self.url, self.phase, self.what, self.detail = url, phase, what, detail
 
+    @property
+    def reason(self) -> str:
+        """The message without the URL, for lists that lead with it."""
+        return f"{self.what} during {self.phase}: {self.detail}"
+
 
 ErrorKind = str  # one of ERROR_KINDS' keys
 Error = tuple[ErrorKind, str]  # (kind, message): an error as it crosses ranks

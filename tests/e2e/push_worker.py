@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,8 @@ def main() -> None:
             report.update(error=None, timings=res.timings, nbytes=res.nbytes)
         except WeightPushError as e:
             report["error"] = str(e)
+            if hasattr(pusher, "killed_at"):
+                report["to_error_s"] = time.monotonic() - pusher.killed_at
         report["version_before"] = before
         # Sample from the server, score the same tokens with the trainer's model.
         out = None
@@ -216,6 +219,7 @@ def _kill_replica_mid_push(pusher) -> None:
     def kill_then_send(index, buf, push_id, checksum):
         if index == 2:
             os.kill(int(os.environ["KILL_REPLICA_PID"]), signal.SIGKILL)
+            pusher.killed_at = time.monotonic()  # the report's time to error starts here
         return send(index, buf, push_id, checksum)
 
     pusher.transport.send = kill_then_send

@@ -134,6 +134,7 @@ def test_replica_killed_mid_push_publishes_nowhere_then_rejoins(pair, tmp_path):
     _, proc, report = push(pair, tmp_path, "kill_replica",
                            env={"KILL_REPLICA_PID": str(pair.b.proc.pid)})
     assert report["error"] and pair.b.url in report["error"], report
+    print("chaos: SIGKILL mid-transfer:", {k: report.get(k) for k in ("to_error_s", "error")})
     pair.b.proc.wait(30)
     with pair.a.client() as c:  # the survivor kept serving the old version
         r = c.generate(["still serving?"], sampling=dict(max_tokens=4))
@@ -143,6 +144,18 @@ def test_replica_killed_mid_push_publishes_nowhere_then_rejoins(pair, tmp_path):
     # push rebuilds the group with it and brings both to the same version.
     pair.b = start_server(pair.tmp, "replica-b-restarted", like=pair.b)
     assert pair.versions() == [v, 0]
+    # With no push in flight, B refuses version v at once (naming why, with
+    # Retry-After), and a fresh client asks the versions first: B, listed
+    # first, never gets the request.
+    r = httpx.post(pair.b.url + "/generate", json={"prompts": ["x"], "min_weight_version": v},
+                   headers={"Authorization": f"Bearer {pair.b.api_token}"}, timeout=60)
+    assert r.status_code == 409 and "no push is in flight" in r.json()["error"], r.text
+    assert int(r.headers["retry-after"]) >= 1
+    before = generated_tokens(pair.b)
+    with GenerationClient([pair.b.url, pair.a.url], token=pair.a.api_token) as fresh:
+        assert fresh.generate(["x"], min_weight_version=v,
+                              sampling=dict(max_tokens=4)).weight_version == v
+    assert generated_tokens(pair.b) == before
     _, _, report = push(pair, tmp_path)
     assert_pushed(report, v)
     a, b = report["replicas"]

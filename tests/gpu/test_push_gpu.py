@@ -57,13 +57,14 @@ class CapturingServer:
     def index(self):  # noqa: ANN201
         return self.index_
 
-    def begin(self, version, transport, buckets, connection_id, commit_policy):  # noqa: ANN001, ANN201
+    def begin(self, version, transport, buckets, connection_id, commit_policy,  # noqa: ANN001, ANN201
+              budget_s=300.0):
         from rollout_sidecar.client.protocol import BeginResponse
 
         self.manifest = buckets
         return BeginResponse(push_id="p", deadline_s=60, commit_policy="wait")
 
-    def put_bucket(self, push_id, index, data, checksum) -> None:  # noqa: ANN001
+    def put_bucket(self, push_id, index, data, checksum, budget_s=300.0) -> None:  # noqa: ANN001
         assert zlib.crc32(data) == checksum
         self.buckets[index] = data
 

@@ -72,12 +72,15 @@ class TwoPhaseCommit:
         return f"{error}; every replica keeps its version: " + "; ".join(answers)
 
     def prepare(self, push_ids: Sequence[str], checksums: list[int], timeout_s: float,
-                serving: Sequence[int]) -> list[PrepareResponse]:
-        """Phase 1 on every replica: each has every bucket, CRC-checked. If
-        any refuses, abort everywhere and raise; `serving`: the versions the
-        replicas keep serving then (for the message)."""
+                serving: Sequence[int], macs: list[str] | None = None
+                ) -> list[PrepareResponse]:
+        """Phase 1 on every replica: each has every bucket, CRC-checked (and,
+        with `macs`, tag-checked). If any refuses, abort everywhere and raise;
+        `serving`: the versions the replicas keep serving then (for the
+        message)."""
         rs = self.replicas
-        prepared = rs.each(lambda a, i: a.prepare(push_ids[i], checksums, timeout_s))
+        tags = {"macs": macs} if macs is not None else {}
+        prepared = rs.each(lambda a, i: a.prepare(push_ids[i], checksums, timeout_s, **tags))
         if bad := failures(prepared):
             # A replica whose prepare failed has ended the push itself.
             self.abort([None if i in bad else p for i, p in enumerate(push_ids)],
@@ -94,7 +97,7 @@ class TwoPhaseCommit:
         """Phase 2 on every replica: load and serve. Raises unless all did."""
         rs = self.replicas
         committed = rs.each(lambda a, i: a.commit(push_ids[i], None, timeout_s))
-        outcomes = [ReplicaOutcome(u, "failed", None, str(r)) if isinstance(r, Exception)
+        outcomes = [ReplicaOutcome(u, "failed", None, _reason(r)) if isinstance(r, Exception)
                     else ReplicaOutcome(u, "committed", r.weight_version, None, r.timings)
                     for u, r in zip(rs.urls, committed, strict=True)]
         if bad := failures(committed):
@@ -114,6 +117,10 @@ class TwoPhaseCommit:
 def live_versions(live: dict[str, int | None]) -> str:
     """`url v7, url unknown`: which version each replica serves now."""
     return ", ".join(f"{u} v{v}" if v is not None else f"{u} unknown" for u, v in live.items())
+
+
+def _reason(error: Exception) -> str:
+    return error.reason if isinstance(error, ReplicaError) else str(error)
 
 
 def _error(url: str, error: object) -> str:

@@ -17,6 +17,7 @@ the other ranks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,6 +51,8 @@ class BucketSender:
         buffers = self._buffers_for(max(b.nbytes for b in buckets), transport.buffer_device)
         in_flight: list[Pending | None] = [None, None]
         checksums: list[int] = []
+        # gloo/NCCL with a connection secret: this push's keyed tags (bucket_mac.py).
+        macs = getattr(transport, "bucket_macs", None)
         err: Error | None = None
         name, full = "", None  # the tensor being packed, until its last chunk
         for b in buckets:
@@ -73,10 +76,14 @@ class BucketSender:
                     checksums.append(crc32(buf))
                     in_flight[slot] = transport.send(b.index, buf, push_id, checksums[-1])
                 else:
-                    # The CRCs travel with the prepare, so compute it while the
-                    # bucket is on the wire (zlib releases the GIL).
+                    # The CRCs (and tags) travel with the prepare, so compute
+                    # them while the bucket is on the wire (zlib and hashlib
+                    # release the GIL). An NCCL bucket comes to the host once.
                     in_flight[slot] = transport.send(b.index, buf, push_id, None)
-                    checksums.append(crc32(buf))
+                    host = buf if buf.is_cpu else buf.cpu()
+                    checksums.append(crc32(host))
+                    if macs is not None:
+                        macs.add(b.index, host)
             except Exception as e:
                 err = ("push", f"sending bucket {b.index} failed: {type(e).__name__}: {e}")
         for w in in_flight:
@@ -124,5 +131,9 @@ def _wait(work: Pending, what: str) -> Error | None:
     try:
         work.wait()
     except Exception as e:
-        return ("push", f"{what} failed: {type(e).__name__}: {e}")
+        # gloo leads with its source path; a timeout there means no progress
+        # for the stall bound (the group's per-operation timeout).
+        text = re.sub(r"^\[[^\]]*\] ", "", str(e)).split(". This is typically")[0]
+        stalled = "the data plane stalled: " if "Timed out" in text else ""
+        return ("push", f"{what} failed: {stalled}{type(e).__name__}: {text}")
     return None
