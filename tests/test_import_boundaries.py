@@ -24,6 +24,7 @@ PACKAGES = {"client": "client", "trainer": "trainer", "server": "server",
             "demo": "examples/demo"}
 # The protocol's torch side: the data plane's framing and patches, imported by name only.
 TORCH_IN_CLIENT = {"client/protocol/wire_format.py", "client/protocol/bucket_group.py",
+                   "client/protocol/bucket_mac.py", "client/protocol/signed_store.py",
                    "client/protocol/delta_codec.py"}
 FORBIDDEN = {
     "client": {"rollout_sidecar.server", "rollout_sidecar.trainer", "rollout_sidecar.demo"},

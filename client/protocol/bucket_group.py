@@ -27,7 +27,10 @@ import datetime
 from collections.abc import Callable
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
+
+from rollout_sidecar.client.protocol.signed_store import SignedStore, group_prefix
 
 SENDER_RANK = 0
 CHAIN_CHUNK_BYTES = 16 << 20  # pipelines a 64+ MiB bucket; large enough to send at full speed
@@ -35,16 +38,49 @@ Fanout = Literal["broadcast", "chain"]
 
 
 def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_size: int,
-                    backend: str, timeout_s: float) -> Any:
-    """Blocks until every rank joined or `timeout_s` passes (then raises)."""
+                    backend: str, timeout_s: float, secret: bytes | None = None) -> Any:
+    """Blocks until every rank joined or `timeout_s` passes (then raises).
+    With `secret` (the connection's), the rendezvous is signed and a tampered
+    value raises `RendezvousTampered`; once the group formed, every rank
+    deletes the keys it wrote (signed_store.py)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(f"rs/{connection_id}/", store)
+    tcp = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    store: Any = dist.PrefixStore(group_prefix(connection_id), tcp)
+    signed = None
+    if secret is not None:
+        store = signed = SignedStore(store, secret, f"{host}:{port}", timeout_s)
+    try:
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        else:
+            group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    except BaseException:
+        if signed is not None:
+            signed.delete_written()  # the trainer clears the rest (abort marker, a rogue's)
+        raise
+    if signed is not None:
+        try:
+            _barrier(group, backend)  # every rank is past the rendezvous: no key is needed
+        except BaseException:
+            close_group(group)
+            raise
+        finally:
+            signed.delete_written()
+    return group
+
+
+def _barrier(group: Any, backend: str) -> None:
+    # NCCL builds its communicator at the first collective (reading rank 0's
+    # id from the store), so this also ends NCCL's use of the store. A
+    # broadcast on this rank's device rather than barrier(), which guesses one.
     if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        flag = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        group.broadcast(flag, SENDER_RANK).wait()
+        torch.cuda.current_stream().synchronize()
+    else:
+        group.barrier().wait()
 
 
 def close_group(group: Any) -> None:

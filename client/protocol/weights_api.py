@@ -12,9 +12,10 @@ with transport "http", as bodies of PUT /weights/bucket/{index}.
 from __future__ import annotations
 
 import math
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from rollout_sidecar.client.protocol.fields import (
     Bool,
@@ -28,6 +29,8 @@ from rollout_sidecar.client.protocol.fields import (
 )
 
 Transport = Literal["gloo", "nccl", "http"]
+Mac = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # bucket_mac.py's tag
+_HEX = re.compile(r"[0-9a-fA-F]+")
 
 
 class TensorSlot(StrictModel):
@@ -110,6 +113,25 @@ class ConnectRequest(StrictModel):
         "broadcast", description="How each bucket reaches every rank: one broadcast, or "
         "(gloo) a chain that relays it piece by piece from rank to rank, so rank 0 sends it "
         "once however many replicas listen.")
+    secret: SecretStr | None = Field(
+        None, min_length=32, max_length=128, json_schema_extra=not_null,
+        description="This connection's data-plane key, hex (the trainer draws 32 random bytes "
+        "per connection). With it, the rendezvous values are signed and, with `bucket_macs`, "
+        "every bucket's keyed BLAKE2b tag must come with the prepare (`macs`). Never logged "
+        "or echoed. Absent: an older trainer, unsigned rendezvous, CRC-32 only.")
+    bucket_macs: Bool = Field(
+        True, description="With a `secret`: this connection's prepares carry every bucket's "
+        "tag (`macs`), checked before anything loads; a prepare without them is refused. "
+        "False: the secret signs the rendezvous only (bytes get CRC-32).")
+
+    @field_validator("secret")
+    @classmethod
+    def _hex_secret(cls, v: SecretStr | None) -> SecretStr | None:
+        # The message never quotes the value.
+        if v is not None and (len(v.get_secret_value()) % 2
+                              or not _HEX.fullmatch(v.get_secret_value())):
+            raise ValueError("must be an even number of hex digits")
+        return v
 
 
 class ConnectResponse(BaseModel):
@@ -158,6 +180,10 @@ class PrepareRequest(StrictModel):
 
     push_id: str
     checksums: list[Int] = Field(description="CRC-32 of each bucket's bytes, in order.")
+    macs: list[Mac] | None = Field(
+        None, json_schema_extra=not_null, description="Keyed BLAKE2b-128 of each bucket "
+        "(hex, in order), bound to the connection, the version and the bucket's index: "
+        "required when the connection was made with a `secret`.")
 
 
 class PrepareResponse(BaseModel):
@@ -172,6 +198,9 @@ class CommitRequest(StrictModel):
     checksums: list[Int] | None = Field(
         None, description="CRC-32 of each bucket's bytes, in order; needed unless the push "
         "was prepared (POST /weights/prepare), which checked them already.")
+    macs: list[Mac] | None = Field(
+        None, json_schema_extra=not_null, description="As in the prepare: needed with "
+        "`checksums` when the connection has a `secret`.")
 
 
 class CommitResponse(BaseModel):

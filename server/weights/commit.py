@@ -30,6 +30,7 @@ from rollout_sidecar.client.protocol import (
     PrepareRequest,
     PrepareResponse,
 )
+from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.data_plane import DataPlane
@@ -57,17 +58,34 @@ class TwoPhaseCommit:
 
     async def prepare(self, req: PrepareRequest) -> PrepareResponse:
         t0 = time.monotonic()
-        push = await self.session.prepare(req.push_id, lambda p: self._check(p, req.checksums),
-                                          self.settings.push_timeout_s)
+        await self._require_macs(req.push_id, req.macs, "POST /weights/prepare")
+        push = await self.session.prepare(
+            req.push_id, lambda p: self._check(p, req.checksums, req.macs),
+            self.settings.push_timeout_s)
         return PrepareResponse(push_id=push.push_id, deadline_s=self.settings.push_timeout_s,
                                timings={"check_s": time.monotonic() - t0})
 
-    async def _check(self, push: Push, checksums: list[int]) -> None:
-        """Every bucket arrived and matches its CRC; nothing is loaded."""
+    async def _require_macs(self, push_id: str, macs: list[str] | None, call: str) -> None:
+        """A push over a connection that promised bucket tags must carry them:
+        400 naming the field, and the push ends (the old version serves), as
+        any failed prepare does."""
+        p = self.session.current
+        if macs is None and p is not None and p.push_id == push_id and p.distributed \
+                and self.plane.authenticated(p.req.connection_id):
+            message = (f"macs: connection {p.req.connection_id} was made with a data-plane "
+                       f"secret and bucket_macs, so {call} needs each bucket's tag (macs)")
+            async with self.session.lock:
+                if self.session.current is p:
+                    await self.session.fail(p, message)
+            raise BadRequest(message, "macs")
+
+    async def _check(self, push: Push, checksums: list[int], macs: list[str] | None) -> None:
+        """Every bucket arrived and matches its tag and CRC; nothing is loaded."""
         try:
             # The receive may still be running: it may take what is left of
             # the push's deadline, and no more.
-            await ops.send(self.llm, WorkerOp.CHECK, checksums=checksums,
+            await ops.send(self.llm, WorkerOp.CHECK, checksums=checksums, macs=macs,
+                           version=push.req.version if macs is not None else None,
                            timeout_s=max(0.0, push.deadline - time.monotonic()))
         except Exception as e:
             raise PushFailed(f"push rejected, version {self.engine.gate.version} still "
@@ -76,15 +94,20 @@ class TwoPhaseCommit:
     # ------------------------------------------------------------ phase 2
 
     async def commit(self, req: CommitRequest) -> CommitResponse:
-        return await self.session.commit(req.push_id, lambda p: self._commit(p, req.checksums))
+        p = self.session.current
+        if p is not None and p.push_id == req.push_id and p.prepared is None:
+            await self._require_macs(req.push_id, req.macs, "a commit without a prepare")
+        return await self.session.commit(req.push_id,
+                                         lambda p: self._commit(p, req.checksums, req.macs))
 
-    async def _commit(self, push: Push, checksums: list[int] | None) -> CommitResponse:
+    async def _commit(self, push: Push, checksums: list[int] | None,
+                      macs: list[str] | None = None) -> CommitResponse:
         t0 = time.monotonic()
         if push.prepared is None:  # one call does both phases
             if checksums is None:
                 raise PushFailed("commit of a push that was not prepared needs checksums",
                                  session_open=True)
-            await self._check(push, checksums)
+            await self._check(push, checksums, macs)
         t_checked = time.monotonic()
         gate = self.engine.gate
         async with gate.commit_window(push.policy, self.settings.commit_drain_s) as mode:

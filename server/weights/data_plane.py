@@ -47,6 +47,8 @@ class Connection:
     backend: str
     last_active: float
     trainer_id: str | None = None
+    # The trainer sent a data-plane secret: its prepares must carry bucket tags.
+    authenticated: bool = False
 
 
 class DataPlane:
@@ -111,7 +113,11 @@ class DataPlane:
             store_host=req.store_host or own_store, store_port=req.store_port or self.port,
             connection_id=req.connection_id, backend=req.backend, timeout_s=timeout,
             world_size=req.world_size, rank_offset=req.rank_offset,
-            staging=self.settings.weight_staging, fanout=req.fanout))
+            staging=self.settings.weight_staging, fanout=req.fanout,
+            # Hex, to the workers only (StagedInitInfo keeps it out of its repr);
+            # nothing logs this payload.
+            secret=req.secret.get_secret_value() if req.secret is not None else None,
+            bucket_macs=req.secret is not None and req.bucket_macs))
         deadline = now + timeout
         while True:  # short RPCs: the engine core schedules generation in between
             conn = (await self.side(SideOp.STATE))["connection"]
@@ -131,7 +137,8 @@ class DataPlane:
             else:
                 _remember(self.replaced, old.id, req.connection_id)
         self.owner = Connection(req.connection_id, req.backend, time.monotonic(),
-                                req.trainer_id)
+                                req.trainer_id,
+                                authenticated=req.secret is not None and req.bucket_macs)
         return ConnectResponse(connection_id=req.connection_id, backend=req.backend)
 
     def check_owner(self, connection_id: str | None) -> None:
@@ -145,6 +152,11 @@ class DataPlane:
                                "this server")
         raise PushConflict(f"connection {connection_id} is not connected (the server holds "
                            f"{self.owner.id if self.owner else 'none'}): POST /weights/connect")
+
+    def authenticated(self, connection_id: str | None) -> bool:
+        """Whether the connection came with a secret (its buckets carry tags)."""
+        return self.owner is not None and self.owner.id == connection_id \
+            and self.owner.authenticated
 
     def touch(self) -> None:
         if self.owner is not None:

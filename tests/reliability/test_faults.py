@@ -225,3 +225,99 @@ def test_a_load_failing_mid_commit_serves_nothing_until_a_push_succeeds(reliable
     assert_settled(reliable, v0 + 1)
     with reliable.client() as c:
         assert c.generate(["back"], sampling=dict(max_tokens=2)).weight_version == v0 + 1
+
+
+def _data_plane_store(server):
+    """A client of the server's rendezvous store, as anyone who reaches the
+    data-plane port could open."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", status(server)["data_plane_port"], is_master=False,
+                         timeout=datetime.timedelta(seconds=10))
+
+
+def test_a_rogue_on_the_data_plane_port_is_named_and_keys_do_not_pile_up(reliable, trainer):
+    """Someone who overwrites every rendezvous key while a push connects: the
+    push retries under fresh ids and secrets and either gets through or fails
+    naming the tampering, never std::bad_alloc; the old version serves; then
+    clean pushes (each reconnecting) leave the store's key count flat."""
+    from rollout_sidecar.client.protocol.signed_store import TAMPERED
+
+    rogue, stop, hits = _data_plane_store(reliable), threading.Event(), []
+
+    def overwrite() -> None:
+        while not stop.is_set():
+            for k in rogue.list_keys():
+                if k.startswith("rs/") and not k.endswith("/abort"):
+                    rogue.set(k, b"garbage")
+                    hits.append(k)
+            time.sleep(0.002)
+
+    v = served_version(reliable)
+    trainer.pusher.transport.close()  # the next push connects (while the rogue writes)
+    thread = threading.Thread(target=overwrite, daemon=True)
+    thread.start()
+    try:
+        try:
+            assert push_next(reliable, trainer, probe=False).version == v + 1
+            v += 1
+        except WeightPushError as e:
+            assert TAMPERED in str(e) and "bad_alloc" not in str(e), str(e)
+            assert served_version(reliable) == v
+    finally:
+        stop.set()
+        thread.join(10)
+    assert hits, "the rogue never saw a rendezvous key"
+    counts = []
+    for _ in range(3):
+        trainer.pusher.transport.close()  # a new connection (and rendezvous) per push
+        assert push_next(reliable, trainer, probe=False).version == v + 1
+        v += 1
+        counts.append(rogue.num_keys())
+    assert counts[0] == counts[-1] <= 2, (counts, rogue.list_keys())  # at most a rogue's leftovers
+    assert_settled(reliable, v)
+
+
+def test_a_tampered_bucket_fails_authentication(reliable, trainer):
+    """With bucket tags on, a bucket whose bytes are not what the tag covers
+    (flipped on rank 0's side of the tag: what arrives differs) fails the
+    prepare by name, the old version serves, and the next push succeeds."""
+    t = trainer.pusher.transport
+    start = t.start_push
+
+    def tampered(version: int) -> None:
+        start(version)
+        add = t.bucket_macs.add
+
+        def add_flipped(index, buf) -> None:
+            if index == 0:
+                buf = buf.clone()
+                buf[0] ^= 1
+            add(index, buf)
+
+        t.bucket_macs.add = add_flipped
+
+    v = served_version(reliable)
+    t.authenticate_buckets = True
+    t.close()  # reconnect, telling the server this connection tags its buckets
+    t.start_push = tampered
+    try:
+        with pytest.raises(WeightPushError, match="bucket 0 failed authentication"):
+            push_next(reliable, trainer, probe=False)
+        assert_settled(reliable, v)
+        del t.start_push  # the real one again
+        assert push_next(reliable, trainer, probe=False).version == v + 1
+        # A prepare without the tags, on a connection that promised them: 400 naming it.
+        t.bucket_macs = None
+        start_push = t.start_push
+        t.start_push = lambda version: None
+        with pytest.raises(WeightPushError, match="macs"):
+            push_next(reliable, trainer, probe=False)
+        t.start_push = start_push
+        assert_settled(reliable, v + 1)
+    finally:
+        t.__dict__.pop("start_push", None)
+        t.authenticate_buckets = False
+        t.close()

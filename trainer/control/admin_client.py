@@ -73,10 +73,13 @@ class WeightAdminClient:
         if isinstance(e, NEVER_SENT):
             return ReplicaError(self.base_url, phase, "unreachable",
                                 f"no connection ({type(e).__name__}: {e})")
-        if isinstance(e, SILENT):
-            silent = self.deadlines.stall_s if budget_s is None else budget_s
+        if isinstance(e, SILENT) and budget_s is None:
             return ReplicaError(self.base_url, phase, "frozen",
-                                f"connected, then silent for {silent:g}s")
+                                f"connected, then silent for {self.deadlines.stall_s:g}s")
+        if isinstance(e, SILENT):  # /ready kept answering: the HTTP side lives, the work not
+            return ReplicaError(self.base_url, phase, "frozen", "no answer within the phase's "
+                                f"budget of {budget_s:g}s while its HTTP process answered (a "
+                                "wedged engine?)")
         return ReplicaError(self.base_url, phase, "unreachable", "connection lost mid-call "
                             f"(the server died or restarted: {type(e).__name__}: {e})")
 
@@ -120,7 +123,8 @@ class WeightAdminClient:
                 takeover: bool = False, lease_wait_s: float = 60.0, *,
                 trainer_id: str | None = None, world_size: int = 2, rank_offset: int = 1,
                 store: tuple[str, int] | None = None,
-                fanout: str = "broadcast") -> ConnectResponse:
+                fanout: str = "broadcast", secret: bytes | None = None,
+                bucket_macs: bool = True) -> ConnectResponse:
         """While another connection's lease runs (a trainer that just restarted
         finds its old self there), wait as the server's Retry-After says, up to
         `lease_wait_s`; a trainer that is really pushing keeps renewing it, and
@@ -130,6 +134,8 @@ class WeightAdminClient:
                 "rank_offset": rank_offset, "fanout": fanout}
         if store is not None:
             body.update(store_host=store[0], store_port=store[1])
+        if secret is not None:  # in the body only: never in a log line or an error
+            body.update(secret=secret.hex(), bucket_macs=bucket_macs)
         deadline = time.monotonic() + lease_wait_s
         while True:
             # The server answers once the whole group formed: its join's bound, plus slack.
@@ -169,11 +175,13 @@ class WeightAdminClient:
                    headers={"X-Push-Id": push_id, "X-Checksum": str(checksum),
                             "Content-Type": "application/octet-stream"})
 
-    def prepare(self, push_id: str, checksums: list[int], timeout_s: float) -> PrepareResponse:
+    def prepare(self, push_id: str, checksums: list[int], timeout_s: float,
+                macs: list[str] | None = None) -> PrepareResponse:
         """Phase 1: waits until every bucket arrived and passed its CRC."""
         return PrepareResponse.model_validate(self._call("POST", "/weights/prepare", "prepare",
                                                          timeout_s, json={
-            "push_id": push_id, "checksums": checksums}))
+            "push_id": push_id, "checksums": checksums,
+            **({"macs": macs} if macs is not None else {})}))
 
     def commit(self, push_id: str, checksums: list[int] | None, timeout_s: float
                ) -> CommitResponse:

@@ -16,6 +16,7 @@ the next trainer connects at once: only a crashed trainer's lease runs out.
 from __future__ import annotations
 
 import atexit
+import datetime
 import logging
 import threading
 import uuid
@@ -30,6 +31,8 @@ from rollout_sidecar.client.protocol.bucket_group import (
     close_group,
     send_bucket,
 )
+from rollout_sidecar.client.protocol.bucket_mac import PushMacs, new_secret
+from rollout_sidecar.client.protocol.signed_store import TAMPERED, delete_connection_keys
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
 
@@ -38,6 +41,10 @@ log = logging.getLogger(__name__)
 # Each replica's POST /weights/disconnect at close: an answer takes
 # milliseconds; a dead or wedged server costs at most this (per HTTP phase).
 DISCONNECT_TIMEOUT_S = 5.0
+# Connects tried when the rendezvous is tampered with, each under a fresh
+# connection id and secret: a rogue that overwrites every key blocks them all,
+# and then the push fails saying so instead of retrying forever.
+CONNECT_TRIES = 3
 
 
 class DistributedTransport:
@@ -48,7 +55,8 @@ class DistributedTransport:
 
     def __init__(self, replicas: ReplicaAdmins, backend: str = "gloo",
                  data_plane_host: str | None = None, takeover: bool = False,
-                 lease_wait_s: float = 60.0, fanout: str = "auto") -> None:
+                 lease_wait_s: float = 60.0, fanout: str = "auto",
+                 authenticate_buckets: bool = False) -> None:
         self.replicas = replicas
         self.backend = backend
         self.name = backend
@@ -64,6 +72,9 @@ class DistributedTransport:
         self.fanout = "broadcast"  # this connection's; decided at connect
         self.group: Any = None
         self.connection_id: str | None = None
+        self._secret: bytes | None = None  # this connection's; never logged
+        self.authenticate_buckets = authenticate_buckets
+        self.bucket_macs: PushMacs | None = None  # this push's tags (start_push)
         atexit.register(self.reset)  # never leave a live group to interpreter teardown
 
     @property
@@ -76,11 +87,30 @@ class DistributedTransport:
         """(Re)build the group unless every replica holds ours: first push, a
         failed one (which drops the group on both sides), or a replica that
         restarted or joined. Every replica reconnects then: a group's members
-        are fixed when it forms."""
+        are fixed when it forms. A rendezvous someone tampered with is tried
+        again under a fresh connection id and secret, `CONNECT_TRIES` times."""
         if self.group is not None and all(s.connected == self.connection_id for s in statuses):
             return
+        for attempt in range(1, CONNECT_TRIES + 1):
+            try:
+                return self._connect(statuses)
+            except WeightPushError as e:
+                if TAMPERED not in str(e):
+                    raise
+                log.warning("data-plane connect %d of %d: %s", attempt, CONNECT_TRIES, e)
+                if attempt == CONNECT_TRIES:
+                    raise WeightPushError(
+                        f"data plane: the rendezvous was tampered with on all {CONNECT_TRIES} "
+                        "tries, each under a fresh connection id and secret (someone else "
+                        "can reach the data-plane port; restrict it, see docs/deploy.md); "
+                        f"last: {e}") from e
+
+    def _connect(self, statuses: list[Any]) -> None:
         self.reset()
         conn_id = self.connection_id = uuid.uuid4().hex[:12]
+        # Per connection, over the admin-authenticated control plane only:
+        # signs the rendezvous and keys each bucket's tag (bucket_mac.py).
+        secret = self._secret = new_secret()
         timeout_s = self.replicas.deadlines.group_timeout_s
         offsets = [1]
         for s in statuses:
@@ -100,7 +130,7 @@ class DistributedTransport:
         def join() -> None:
             try:
                 out["group"] = broadcast_group(store_host, store_port, conn_id, SENDER_RANK,
-                                               world, self.backend, timeout_s)
+                                               world, self.backend, timeout_s, secret)
             except BaseException as e:
                 out["join_error"] = e
 
@@ -109,16 +139,49 @@ class DistributedTransport:
         # (another trainer owns a replica) fails at once.
         joining = threading.Thread(target=join, daemon=True)
         joining.start()
-        self.replicas.all(lambda admin, i: admin.connect(
-            conn_id, self.backend, timeout_s, self.takeover, self.lease_wait_s,
-            trainer_id=self.trainer_id, world_size=world, rank_offset=offsets[i],
-            store=None if i == 0 else (store_host, store_port), fanout=self.fanout), "connect")
+        try:
+            self.replicas.all(lambda admin, i: admin.connect(
+                conn_id, self.backend, timeout_s, self.takeover, self.lease_wait_s,
+                trainer_id=self.trainer_id, world_size=world, rank_offset=offsets[i],
+                store=None if i == 0 else (store_host, store_port), fanout=self.fanout,
+                secret=secret, bucket_macs=self.authenticate_buckets), "connect")
+        except WeightPushError as e:
+            joining.join(timeout_s)  # a tampered rendezvous aborts every rank at once
+            self._clean_store(store_host, store_port, conn_id)
+            if "group" in out:
+                close_group(out.pop("group"))
+            join_error = out.get("join_error")
+            if join_error is not None and TAMPERED in str(join_error):
+                raise WeightPushError(f"{e}; and this trainer's join: {join_error}") from e
+            raise
         joining.join(timeout_s)
         if "group" not in out:  # an abandoned join ends by its own timeout
             e = out.get("join_error")
+            self._clean_store(store_host, store_port, conn_id)
             raise WeightPushError(f"data plane {store_host}:{store_port}: "
                                   f"{e or 'join did not finish'}") from e
         self.group = out["group"]
+
+    @staticmethod
+    def _clean_store(host: str, port: int, conn_id: str) -> None:
+        """A failed rendezvous's leftovers (the abort marker, a rogue's keys):
+        every rank gave up by now. Best effort; a store we cannot reach keeps
+        them."""
+        try:
+            store = torch.distributed.TCPStore(host, port, is_master=False,
+                                               timeout=datetime.timedelta(seconds=5))
+            delete_connection_keys(store, conn_id)
+        except Exception as e:
+            log.warning("data plane %s:%s: could not clear connection %s's keys: %s", host,
+                        port, conn_id, e)
+
+    def start_push(self, version: int) -> None:
+        """A push of `version` begins: rank 0 tags its buckets with the
+        connection's secret (the sender adds them, the prepare carries them)."""
+        if self.authenticate_buckets and self._secret is not None and self.connection_id:
+            self.bucket_macs = PushMacs(self._secret, self.connection_id, version)
+        else:
+            self.bucket_macs = None
 
     def send(self, index: int, buf: torch.Tensor, push_id: Any, checksum: int | None) -> Any:
         return send_bucket(self.group, buf, self.fanout)

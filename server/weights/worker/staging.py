@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from rollout_sidecar.client.protocol import BucketManifest, TensorSlot
+from rollout_sidecar.client.protocol.bucket_mac import BucketMac, same_tag
 from rollout_sidecar.client.protocol.wire_format import crc32, slot_bytes, slot_tensor, torch_dtype
 
 
@@ -37,6 +39,7 @@ class StagedBucket:
     buffer: torch.Tensor
     received: bool = False
     checksum: int | None = None  # computed on arrival
+    mac: Any = None  # BucketMac, fed on arrival (a connection with a secret)
 
 
 @dataclass
@@ -81,6 +84,23 @@ class Staging:
                     f"bucket {b.index} checksum mismatch (got {b.checksum:#010x}, trainer sent "
                     f"{want:#010x}); holds {names}{'...' if len(b.params) > 4 else ''}"
                 )
+
+    def check_macs(self, expected: list[str], key: bytes, connection_id: str,
+                   version: int) -> None:
+        """Every bucket's keyed tag matches the trainer's, or raise naming the
+        first that does not: bytes nobody with the connection's secret sent."""
+        if len(expected) != len(self.buckets):
+            raise ValueError(f"{len(expected)} bucket tags (macs) for {len(self.buckets)} "
+                             "buckets")
+        for b, want in zip(self.buckets, expected, strict=True):
+            if not b.received:
+                raise ValueError(f"bucket {b.index} never arrived")
+            mac = b.mac if b.mac is not None else BucketMac(key).update(b.buffer)
+            if not same_tag(mac.finish(connection_id, version, b.index, b.nbytes), want):
+                raise ValueError(
+                    f"bucket {b.index} failed authentication: its keyed BLAKE2b tag does not "
+                    "match the trainer's (the bytes were altered on the way, or sent by "
+                    "someone without this connection's secret)")
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) in manifest order: views into the staged buffers, but

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from rollout_sidecar.client.protocol.bucket_group import (
     close_group,
     receive_bucket,
 )
+from rollout_sidecar.client.protocol.bucket_mac import BucketMac, parse_secret
 from rollout_sidecar.client.protocol.wire_format import crc32
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.worker.fault_injection import (
@@ -56,6 +57,19 @@ class StagedInitInfo(WeightTransferInitInfo):
     rank_offset: int = 1
     staging: str = "auto"  # NCCL only: "device" stages in GPU memory, else pinned host
     fanout: str = "broadcast"  # or "chain" (gloo): see client/protocol/bucket_group.py
+    # The connection's data-plane key, hex (bucket_mac.py): out of every repr,
+    # so no log of this dataclass shows it. None: an older trainer, CRC only.
+    secret: str | None = field(default=None, repr=False)
+    bucket_macs: bool = False  # with the secret: every bucket carries a tag
+
+    @property
+    def key(self) -> bytes | None:
+        return parse_secret(self.secret) if self.secret is not None else None
+
+    @property
+    def mac_key(self) -> bytes | None:
+        """The key to tag arriving buckets with, if this connection tags them."""
+        return self.key if self.bucket_macs else None
 
 
 @dataclass
@@ -66,6 +80,8 @@ class StagedUpdateInfo(WeightTransferUpdateInfo):
     bucket: int | None = None
     data: bytes | None = None
     timeout_s: float = 300.0
+    macs: list[str] | None = None  # CHECK: each bucket's tag (with a secret)
+    version: int | None = None  # CHECK: the push's version, bound into the tags
 
 
 class _Joiner(threading.Thread):
@@ -82,7 +98,8 @@ class _Joiner(threading.Thread):
         i = self.info
         try:
             self.group = broadcast_group(i.store_host, i.store_port, i.connection_id,
-                                         self.rank, i.world_size, i.backend, i.timeout_s)
+                                         self.rank, i.world_size, i.backend, i.timeout_s,
+                                         i.key)
         except BaseException as e:  # reported through SideOp.STATE
             self.error = f"{type(e).__name__}: {e}"
 
@@ -193,6 +210,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 raise TimeoutError(f"buckets still arriving after {info.timeout_s:.0f}s")
             if self._error is not None:
                 raise RuntimeError(f"receive failed: {self._error}")
+            self._check_macs(info)  # first: a forger fixes the CRC up too
             self.staging.check(info.checksums or [])
             self._checked = True
         elif op is WorkerOp.LOAD:
@@ -207,6 +225,21 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     def finish_weight_update(self) -> None:
         self.staging.release()
+
+    def _check_macs(self, info: StagedUpdateInfo) -> None:
+        """With a connection secret, every bucket's tag must match: bytes the
+        trainer that holds the secret did not send never load."""
+        j = self._joiner
+        key = j.info.mac_key if j is not None else None
+        if info.macs is None or info.version is None:
+            if key is not None:
+                raise ValueError("this connection has a secret: the check needs each bucket's "
+                                 "tag (macs) and the version")
+            return
+        if key is None:
+            raise ValueError("bucket tags (macs) sent, but this connection was not made with "
+                             "a secret and bucket_macs")
+        self.staging.check_macs(info.macs, key, j.info.connection_id, info.version)
 
     # ---------------------------------------------------------------- internals
 
@@ -224,22 +257,23 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         try:
             pending = None
             bounce = None
+            key = self._joiner.info.mac_key
             if self.backend == "nccl" and self.staging.buckets[0].buffer.is_cpu:
                 size = max(b.nbytes for b in self.staging.buckets)
                 bounce = torch.empty(size, dtype=torch.uint8, device=self.device)
             for b in self.staging.buckets:
                 target = b.buffer if bounce is None else bounce[: b.nbytes]
                 work = self.group.broadcast(target, SENDER_RANK)
-                # Checksum the previous bucket while this one arrives.
+                # Checksum (and tag) the previous bucket while this one arrives.
                 if pending is not None:
-                    pending.checksum = crc32(pending.buffer) if pending.buffer.is_cpu else None
+                    _digest(pending, key)
                 work.wait()
                 if bounce is not None:
                     b.buffer.copy_(target)  # synchronous: the next broadcast reuses it
                 b.received = True
                 pending = b
-            if pending is not None and pending.buffer.is_cpu:
-                pending.checksum = crc32(pending.buffer)
+            if pending is not None:
+                _digest(pending, key)
         except BaseException as e:  # reported by SideOp.STATE and WorkerOp.CHECK
             self._error = e
             log.warning("weight receive failed: %s", e)
@@ -248,16 +282,21 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         """Each bucket from the previous rank, forwarded to the next; its CRC
         runs over each piece while the next one arrives."""
         j = self._joiner
+        key = j.info.mac_key
         try:
             for b in self.staging.buckets:
                 crc = 0
+                mac = BucketMac(key) if key is not None else None
 
-                def add(piece: torch.Tensor) -> None:
+                def add(piece: torch.Tensor, mac: BucketMac | None = mac) -> None:
                     nonlocal crc
                     crc = crc32(piece, crc)
+                    if mac is not None:
+                        mac.update(piece)
 
                 receive_bucket(self.group, b.buffer, j.rank, j.info.world_size, "chain", add)
                 b.checksum = crc
+                b.mac = mac
                 b.received = True
         except BaseException as e:  # reported by SideOp.STATE and WorkerOp.CHECK
             self._error = e
@@ -274,6 +313,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         b.buffer.copy_(torch.frombuffer(bytearray(info.data), dtype=torch.uint8))
         b.received = True
         b.checksum = None  # recomputed at the check: a re-sent bucket replaces the old bytes
+        b.mac = None
 
     def _receiving(self) -> bool:
         return self._receiver is not None and self._receiver.is_alive()
@@ -297,6 +337,14 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             return False
         self._receiver = None
         return True
+
+
+def _digest(b: Any, key: bytes | None) -> None:
+    """A host bucket's CRC (and tag) on arrival; a device one's wait for the
+    check, which copies it to the host once (staging.py)."""
+    if b.buffer.is_cpu:
+        b.checksum = crc32(b.buffer)
+        b.mac = BucketMac(key).update(b.buffer) if key is not None else None
 
 
 def _manifest(info: StagedUpdateInfo) -> list[BucketManifest]:

@@ -1,0 +1,149 @@
+"""What authenticating the data plane costs: a bucket set pushed over gloo to
+one receiver, CRC-32 only (an older trainer) against CRC-32 + keyed BLAKE2b
+(the default), side by side in one run, plus each hash's own throughput.
+
+Both ends do what the product does: rank 0 sends each bucket (double
+buffered) and hashes it while it is on the wire (pack/sender.py); the
+receiver hashes each bucket while the next arrives (transfer_engine.py), and
+the receiver's last bucket is hashed after it lands, as at the check. The
+group is built through the signed rendezvous. Modes alternate per repeat so
+drift hits both alike. No server, no pack, no load: this isolates the hash.
+
+    .venv/bin/python bench/data_plane_mac.py [--mb 512] [--bucket-mb 64] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import socket
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, median, table  # noqa: E402
+
+MODES = ("crc", "crc+mac")
+
+
+def _run(rank: int, port: int, secret: bytes, nbytes: int, bucket: int, repeats: int,
+         out: Any) -> None:
+    import torch.distributed as dist
+
+    from rollout_sidecar.client.protocol.bucket_group import broadcast_group
+    from rollout_sidecar.client.protocol.bucket_mac import BucketMac, PushMacs
+    from rollout_sidecar.client.protocol.wire_format import crc32
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    group = broadcast_group("127.0.0.1", port, "bench", rank, 2, "gloo", 120, secret)
+    n = -(-nbytes // bucket)
+    gen = torch.Generator().manual_seed(0)
+    if rank == 0:
+        bufs = [torch.randint(0, 256, (bucket,), dtype=torch.uint8, generator=gen)
+                for _ in range(2)]
+    else:
+        bufs = [torch.empty(bucket, dtype=torch.uint8) for _ in range(n)]  # staging
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for r in range(repeats + 1):
+        for mode in MODES:
+            mac = mode == "crc+mac"
+            group.barrier().wait()
+            t0 = time.perf_counter()
+            if rank == 0:
+                macs = PushMacs(secret, "bench", r) if mac else None
+                works: list[Any] = [None, None]
+                for k in range(n):
+                    buf = bufs[k % 2]
+                    if works[k % 2] is not None:
+                        works[k % 2].wait()
+                    works[k % 2] = group.broadcast(buf, 0)
+                    crc32(buf)  # while it is on the wire
+                    if macs is not None:
+                        macs.add(k, buf)
+                for w in works:
+                    if w is not None:
+                        w.wait()
+            else:
+                pending = None
+                for k in range(n):
+                    work = group.broadcast(bufs[k], 0)
+                    if pending is not None:
+                        crc32(pending)
+                        if mac:
+                            BucketMac(secret).update(pending)
+                    work.wait()
+                    pending = bufs[k]
+                crc32(pending)
+                if mac:
+                    BucketMac(secret).update(pending)
+            group.barrier().wait()  # the receiver has checked everything
+            if r:  # the first round warms up
+                times[mode].append(time.perf_counter() - t0)
+    if rank == 0:
+        out.send(times)
+    os._exit(0)  # skip interpreter teardown: gloo can abort there (pytorch#179291)
+
+
+def hash_rates(nbytes: int) -> dict[str, float]:
+    """GB/s of each hash alone over one buffer, one core."""
+    buf = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy())
+    key = os.urandom(32)
+    fns = {"crc32 (zlib)": lambda: zlib.crc32(buf),
+           "blake2b-128 keyed": lambda: hashlib.blake2b(buf, key=key, digest_size=16).digest()}
+    out = {}
+    for name, fn in fns.items():
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        out[name] = nbytes / median(ts) / 1e9
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=512)
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    nbytes, bucket = a.mb << 20, a.bucket_mb << 20
+    print(machine())
+    rates = hash_rates(bucket)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    secret = os.urandom(32)
+    procs = [ctx.Process(target=_run, args=(r, port, secret, nbytes, bucket, a.repeats, child))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    times = parent.recv()
+    for p in procs:
+        p.join(60)
+    gb = nbytes / 1e9
+    crc, mac = median(times["crc"]), median(times["crc+mac"])
+    print(f"\nhash alone, one core, {a.bucket_mb} MiB buffer:")
+    print(table(["hash", "GB/s"], [[k, f"{v:.2f}"] for k, v in rates.items()]))
+    print(f"\npush of {a.mb} MiB in {a.bucket_mb} MiB buckets over gloo to 1 receiver "
+          f"(median of {a.repeats}):")
+    print(table(["mode", "s", "GB/s"], [["crc", f"{crc:.3f}", f"{gb / crc:.2f}"],
+                                        ["crc+mac", f"{mac:.3f}", f"{gb / mac:.2f}"]]))
+    print(f"\nratio crc+mac / crc: {mac / crc:.3f} (the MAC costs {100 * (mac / crc - 1):+.1f}% "
+          "of this transfer)")
+
+
+if __name__ == "__main__":
+    main()
