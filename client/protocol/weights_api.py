@@ -30,7 +30,12 @@ from rollout_sidecar.client.protocol.fields import (
 
 Transport = Literal["gloo", "nccl", "http"]
 Mac = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # bucket_mac.py's tag
-_HEX = re.compile(r"[0-9a-fA-F]+")
+_HEX_SECRET = re.compile(r"(?:[0-9a-fA-F]{2})+")
+
+
+def _hex_secret_schema(schema: dict) -> None:
+    not_null(schema)
+    schema["pattern"] = f"^{_HEX_SECRET.pattern}$"  # what the validator enforces
 
 
 class TensorSlot(StrictModel):
@@ -114,7 +119,7 @@ class ConnectRequest(StrictModel):
         "(gloo) a chain that relays it piece by piece from rank to rank, so rank 0 sends it "
         "once however many replicas listen.")
     secret: SecretStr | None = Field(
-        None, min_length=32, max_length=128, json_schema_extra=not_null,
+        None, min_length=32, max_length=128, json_schema_extra=_hex_secret_schema,
         description="This connection's data-plane key, hex (the trainer draws 32 random bytes "
         "per connection). With it, the rendezvous values are signed and, with `bucket_macs`, "
         "every bucket's keyed BLAKE2b tag must come with the prepare (`macs`). Never logged "
@@ -127,9 +132,9 @@ class ConnectRequest(StrictModel):
     @field_validator("secret")
     @classmethod
     def _hex_secret(cls, v: SecretStr | None) -> SecretStr | None:
-        # The message never quotes the value.
-        if v is not None and (len(v.get_secret_value()) % 2
-                              or not _HEX.fullmatch(v.get_secret_value())):
+        # The schema's pattern, enforced here (SecretStr takes no pattern);
+        # the message never quotes the value.
+        if v is not None and not _HEX_SECRET.fullmatch(v.get_secret_value()):
             raise ValueError("must be an even number of hex digits")
         return v
 
