@@ -65,7 +65,7 @@ def _run(rank: int, port: int, secret: bytes, nbytes: int, bucket: int, repeats:
                     buf = bufs[k % 2]
                     if works[k % 2] is not None:
                         works[k % 2].wait()
-                    works[k % 2] = group.broadcast(buf, 0)
+                    works[k % 2] = group.broadcast(buf)
                     crc32(buf)  # while it is on the wire
                     if macs is not None:
                         macs.add(k, buf)
@@ -75,7 +75,7 @@ def _run(rank: int, port: int, secret: bytes, nbytes: int, bucket: int, repeats:
             else:
                 pending = None
                 for k in range(n):
-                    work = group.broadcast(bufs[k], 0)
+                    work = group.broadcast(bufs[k])
                     if pending is not None:
                         crc32(pending)
                         if mac:

@@ -59,6 +59,7 @@ class DropTransport:
 
     buffer_device = torch.device("cpu")
     checksum_in_request = False
+    bucket_macs = None
 
     def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int | None) -> Any:
         return self

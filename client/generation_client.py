@@ -32,11 +32,14 @@ from rollout_sidecar.client.request_plans import (
     Job,
     Plan,
     ReadyCheck,
+    ReplicaFrozen,
     RetryPolicy,
     Send,
     Sleep,
     Timeouts,
+    Watch,
 )
+from rollout_sidecar.client.stall_watch import Silent, run_watched, run_watched_async
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -136,13 +139,12 @@ class GenerationClient(_Replicated):
     down). Defaults to $ROLLOUT_SIDECAR_URL; the token to
     $ROLLOUT_SIDECAR_API_TOKEN. `transport` replaces httpx's, for every replica.
 
-    `stall_timeout_s`: a replica that sends no response byte for this long
-    (frozen, or a half-dead connection) loses the request to another replica
-    and is skipped for `retry.stall_down_s`; a replica that proves alive
-    (GET /health) but slow gets the request again without this bound, so keep
-    it above your usual request time (a /generate answers only when done).
-    None: off. `timeout`: every other httpx bound, and no retry starts after
-    it (see request_plans.py).
+    `stall_timeout_s`: every this long a request has not answered, its replica
+    must answer GET /health (within 5 s); one that does not is frozen: the
+    request goes to another replica, and it is skipped for
+    `retry.stall_down_s`. A replica that answers keeps the request however
+    long it runs. None: no check. `timeout`: every httpx bound, and no retry
+    starts after it (see request_plans.py).
     """
 
     def __init__(self, base_url: str | Sequence[str] | None = None, token: str | None = None,
@@ -159,8 +161,7 @@ class GenerationClient(_Replicated):
                 if isinstance(step, Send):
                     reply, error = None, None
                     try:
-                        reply = self._http.request(step.method, step.url, json=step.json,
-                                                   **step.kwargs)
+                        reply = self._send(step)
                     except httpx.TransportError as e:
                         error = e  # the plan decides: retry elsewhere, or raise
                     step = plan.send(reply) if error is None else plan.throw(error)
@@ -174,6 +175,21 @@ class GenerationClient(_Replicated):
             return done.value
         finally:
             plan.close()
+
+    def _send(self, step: Send) -> httpx.Response:
+        def call() -> httpx.Response:
+            return self._http.request(step.method, step.url, json=step.json, **step.kwargs)
+
+        watch = step.watch
+        if watch is None:
+            return call()
+        try:
+            return run_watched(call, lambda: self._probe(watch), watch.every_s)
+        except Silent as e:
+            raise ReplicaFrozen.after(watch, e) from e.cause
+
+    def _probe(self, watch: Watch) -> None:
+        self._http.get(watch.probe_url, timeout=watch.probe_s)
 
     generate = _blocking(_api.generate)
     score = _blocking(_api.score)
@@ -207,8 +223,7 @@ class AsyncGenerationClient(_Replicated):
                 if isinstance(step, Send):
                     reply, error = None, None
                     try:
-                        reply = await self._http.request(step.method, step.url, json=step.json,
-                                                         **step.kwargs)
+                        reply = await self._send(step)
                     except httpx.TransportError as e:
                         error = e  # the plan decides: retry elsewhere, or raise
                     step = plan.send(reply) if error is None else plan.throw(error)
@@ -222,6 +237,19 @@ class AsyncGenerationClient(_Replicated):
             return done.value
         finally:
             plan.close()
+
+    async def _send(self, step: Send) -> httpx.Response:
+        call = self._http.request(step.method, step.url, json=step.json, **step.kwargs)
+        watch = step.watch
+        if watch is None:
+            return await call
+        try:
+            return await run_watched_async(call, lambda: self._probe(watch), watch.every_s)
+        except Silent as e:
+            raise ReplicaFrozen.after(watch, e) from e.cause
+
+    async def _probe(self, watch: Watch) -> None:
+        await self._http.get(watch.probe_url, timeout=watch.probe_s)
 
     generate = _awaited(_api.generate)
     score = _awaited(_api.score)

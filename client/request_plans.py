@@ -13,11 +13,12 @@ with one replica, or all down, the plan waits for the first to come back:
   502/503/504: the replica is skipped for what its `Retry-After` says (a
   draining or not-yet-ready server sets it), else an exponential backoff with
   full jitter;
-- a stall (connected, then no response byte for the client's
-  `stall_timeout_s`): a short GET /health tells frozen from slow. Frozen: the
-  replica is skipped for `RetryPolicy.stall_down_s`. Slow (it answers, the
-  request just takes longer): the request is sent again without the stall
-  bound, so a long generation costs one lost `stall_timeout_s`, not a failure;
+- a frozen replica: every `stall_timeout_s` a request has not answered, the
+  client asks the replica's GET /health (see stall_watch.py). No answer: the
+  request is given up, and the replica skipped for `RetryPolicy.stall_down_s`.
+  An answer: the replica is merely busy and keeps the request, however long
+  it runs (it is never sent again: that would start the generation over, on
+  what may by then be newer weights);
 - a connection reset mid-request (the server died or restarted): skipped for
   the backoff. Sending a call again after it may have reached a server is safe
   here: every call is a read or a fresh sampling request.
@@ -41,6 +42,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import httpx
 
 from rollout_sidecar.client.replica_pool import ReplicaPool
+from rollout_sidecar.client.stall_watch import Silent
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -48,8 +50,20 @@ T_co = TypeVar("T_co", covariant=True)
 # Worth retrying: the server is starting, draining or momentarily unreachable.
 RETRY_STATUS = {502, 503, 504}
 # How a try can fail at the transport: never reached the server, reached it
-# and heard nothing for the stall bound, or lost the connection mid-request.
+# and heard nothing (a frozen replica, or httpx's own read bound), or lost the
+# connection mid-request.
 NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+class ReplicaFrozen(httpx.ReadTimeout):
+    """The replica stopped answering GET /health while the request ran."""
+
+    @classmethod
+    def after(cls, watch: Watch, silent: Silent) -> ReplicaFrozen:
+        return cls(f"connected, then silent for {watch.every_s:g}s; GET /health unanswered "
+                   f"({type(silent.cause).__name__})")
+
+
 STALLED = (httpx.ReadTimeout, httpx.WriteTimeout)
 RESET = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 # A liveness or version probe is one small GET: a replica that cannot answer
@@ -108,6 +122,16 @@ def retry_after_s(response: httpx.Response) -> float | None:
 
 
 @dataclass(frozen=True)
+class Watch:
+    """While the request runs, GET `probe_url` (bounded by `probe_s`) every
+    `every_s`; no answer raises `ReplicaFrozen` at the plan's `yield`."""
+
+    probe_url: str
+    every_s: float
+    probe_s: float
+
+
+@dataclass(frozen=True)
 class Send:
     """Send this request; the plan gets the response, or the transport
     error thrown in at its `yield`."""
@@ -116,6 +140,7 @@ class Send:
     url: str
     json: Any = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    watch: Watch | None = None
 
 
 @dataclass(frozen=True)
@@ -134,19 +159,19 @@ Plan = Generator[Step, Any, T]
 
 @dataclass(frozen=True)
 class Timeouts:
-    """The client's two bounds. `total_s`: httpx's connect, write and pool
-    timeout, the read timeout where stall detection is off, and no retry
-    begins after it since the call started. `stall_s`: no response byte from
-    a replica for this long is a stall (httpx's read timeout is per read, so
-    it measures silence, not duration); None turns stall detection off."""
+    """The client's two bounds. `total_s`: every httpx timeout, and no retry
+    begins after it since the call started. `stall_s`: how often a request
+    still waiting checks that its replica lives (GET /health); None: never."""
 
     total_s: float = 300.0
     stall_s: float | None = 30.0
 
-    def httpx(self, stall: bool) -> httpx.Timeout:
-        read = self.total_s if not stall or self.stall_s is None else min(self.stall_s,
-                                                                           self.total_s)
-        return httpx.Timeout(self.total_s, read=read)
+    def httpx(self) -> httpx.Timeout:
+        return httpx.Timeout(self.total_s)
+
+    def watch(self, url: str) -> Watch | None:
+        return None if self.stall_s is None else Watch(url + "/health", self.stall_s,
+                                                       self.probe_s)
 
     @property
     def probe_s(self) -> float:
@@ -182,7 +207,6 @@ class Call(Generic[T]):
         if self.min_weight_version is not None:
             yield from learn_versions(pool, policy, timeouts, self.min_weight_version)
         deadline = pool.clock() + timeouts.total_s
-        stall = timeouts.stall_s is not None  # off once a replica proved merely slow
         failures = 0
         tried: set[str] = set()
         refused: set[str] = set()  # answered 409: min_weight_version is not there
@@ -205,7 +229,8 @@ class Call(Generic[T]):
             error: httpx.TransportError | None = None
             try:
                 response = yield Send(self.method, url + self.path, self.json,
-                                      {"timeout": timeouts.httpx(stall), **self.kwargs})
+                                      {"timeout": timeouts.httpx(), **self.kwargs},
+                                      watch=timeouts.watch(url))
             except NEVER_SENT + STALLED + RESET as e:
                 error = e
             finally:
@@ -221,14 +246,12 @@ class Call(Generic[T]):
                 pool.saw_version(url, None)  # e.g. restarted on its checkpoint
                 continue
             down_s, what = policy.delay(failures, response), _describe(error, response)
-            if isinstance(error, STALLED):
-                if (yield from _alive(url, timeouts)):
-                    stall, down_s = False, 0.0
-                    what = f"slow: alive, but silent for {timeouts.stall_s:g}s; sent again"
-                else:
-                    frozen.add(url)
-                    down_s = policy.stall_down_s
-                    what = f"frozen: connected, then silent for {timeouts.stall_s:g}s"
+            if isinstance(error, ReplicaFrozen):
+                frozen.add(url)
+                down_s = policy.stall_down_s
+                what = f"frozen: {error}"
+            elif isinstance(error, STALLED):
+                what = f"no answer within {timeouts.total_s:g}s"
             elif isinstance(error, RESET):
                 what = f"connection reset mid-request ({what})"
             seen[url] = what if error is None or not isinstance(error, NEVER_SENT) else (
@@ -312,16 +335,6 @@ def learn_versions(pool: ReplicaPool, policy: RetryPolicy, timeouts: Timeouts,
             version = None
         if isinstance(version, int):
             pool.saw_version(url, version)
-
-
-def _alive(url: str, timeouts: Timeouts) -> Generator[Step, Any, bool]:
-    """Whether `url` answers anything to GET /health within the probe bound:
-    a request that stalled there was slow, not frozen."""
-    try:
-        yield Send("GET", url + "/health", kwargs={"timeout": timeouts.probe_s})
-    except httpx.TransportError:
-        return False
-    return True
 
 
 def _exhausted(error: httpx.TransportError | None, response: httpx.Response | None,

@@ -2,9 +2,10 @@
 
 Unit tests with a fake server: the client's side runs against httpx.MockTransport
 (the project allows fake servers only in unit tests that say so), whose
-handler raises the transport errors a frozen or dying replica causes; time is
-fake (see tests/test_client_routing.py), so nothing here waits and nothing
-asserts a duration. The server's side is the real `VersionGate` and the real
+handler blocks like a frozen replica or raises the transport errors a dying
+one causes. The routing clock is fake (see tests/test_client_routing.py); the
+liveness watch waits for real, on a 0.05 s stall bound, and nothing asserts a
+duration. The server's side is the real `VersionGate` and the real
 409 response builder. Two real replicas, one SIGSTOPped, are in
 tests/reliability/test_stalled_replica.py.
 """
@@ -13,15 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
 
-from rollout_sidecar.client import RetryPolicy, SidecarError
+from rollout_sidecar.client import AsyncGenerationClient, RetryPolicy, SidecarError
 from rollout_sidecar.server.engine.version_gate import MinVersionTimeout, VersionGate
-from tests.test_client_routing import FakeTime, Fleet, url
+from tests.test_client_routing import FakeTime, Fleet, generated, url
 
 FAST = RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.02, stall_down_s=30)
+STALL_S = 0.05  # the clients' stall bound here: how often a waiting request checks /health
 
 
 @pytest.fixture
@@ -34,43 +37,62 @@ def stalled(host: str) -> httpx.ReadTimeout:
 
 
 class Frozen(Fleet):
-    """A fleet in which the hosts in `frozen` accept and never answer (every
-    request there times out reading), and each request's read timeout is kept."""
+    """A fleet in which the hosts in `frozen` accept and never answer: a
+    /generate there blocks (until the test ends, then times out reading),
+    anything else times out at once. Each request's read timeout is kept."""
 
     def __init__(self, frozen: set[str], **versions: int) -> None:
         super().__init__(**versions)
         self.frozen = frozen
         self.read_timeouts: list[tuple[str, str, float]] = []
         self.lock = threading.Lock()
+        self.thawed = threading.Event()  # set when the test is done with the fleet
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         host, path = request.url.host, request.url.path
         with self.lock:
             self.read_timeouts.append((host, path, request.extensions["timeout"]["read"]))
-            if host in self.frozen:
+            frozen = host in self.frozen
+            if frozen:
                 self.calls.append((host, path))
-                raise stalled(host)
-            return super().handler(request)
+            else:
+                return super().handler(request)
+        if path == "/generate":
+            self.thawed.wait(30)
+        raise stalled(host)
 
 
-def test_a_frozen_replica_loses_its_request_and_is_skipped_while_the_other_serves(fake_time):
-    fleet = Frozen({"a"}, a=1, b=1)
-    with fleet.client(fake_time, retry=FAST, stall_timeout_s=3, timeout=300) as c:
+@pytest.fixture
+def frozen_fleet():
+    fleets: list[Frozen] = []
+
+    def make(frozen: set[str], **versions: int) -> Frozen:
+        fleets.append(Frozen(frozen, **versions))
+        return fleets[-1]
+    yield make
+    for fleet in fleets:
+        fleet.thawed.set()  # the abandoned requests end, in their daemon threads
+
+
+def test_a_frozen_replica_loses_its_request_and_is_skipped_while_the_other_serves(
+        fake_time, frozen_fleet):
+    fleet = frozen_fleet({"a"}, a=1, b=1)
+    with fleet.client(fake_time, retry=FAST, stall_timeout_s=STALL_S, timeout=300) as c:
         for _ in range(6):
             assert c.generate(["x"]).weight_version == 1
         a = c.replicas()[0]
-    # One try on a, one liveness probe that also went unanswered, then skipped.
+    # One try on a, one liveness probe that went unanswered, then skipped.
     assert fleet.hosts() == {"a": 1, "b": 6} and fleet.hosts("/health") == {"a": 1}
     assert a.down_for_s == FAST.stall_down_s and a.last_error.startswith("frozen")
     assert fake_time.sleeps == []
     generate_reads = {t for h, p, t in fleet.read_timeouts if p == "/generate"}
-    assert generate_reads == {3}  # the stall bound is httpx's read timeout
+    assert generate_reads == {300}  # no short read bound: the watch ends a frozen try
 
 
-def test_threads_sharing_a_client_all_finish_on_the_live_replica():
-    fleet = Frozen({"b"}, a=2, b=2)
+def test_threads_sharing_a_client_all_finish_on_the_live_replica(frozen_fleet):
+    fleet = frozen_fleet({"b"}, a=2, b=2)
     results: list[int] = []
-    with fleet.client(retry=FAST, stall_timeout_s=3) as c:
+    with fleet.client(retry=FAST, stall_timeout_s=STALL_S) as c:
         def work() -> None:
             for _ in range(5):
                 results.append(c.generate(["x"]).weight_version)
@@ -83,24 +105,61 @@ def test_threads_sharing_a_client_all_finish_on_the_live_replica():
     assert fleet.hosts()["a"] == 40 and fleet.hosts()["b"] >= 1
 
 
-def test_a_slow_but_alive_replica_gets_the_request_again_without_the_stall_bound(fake_time):
-    fleet = Fleet(a=1)
-    fleet.script["a"] = [stalled("a")]  # the first try outlasts the bound; /health answers
-    with fleet.client(fake_time, retry=FAST, stall_timeout_s=3, timeout=120) as c:
-        seen: list[float] = []
-        inner = fleet.handler
+def slow_handler(fleet: Fleet, busy_s: float):
+    """`fleet`'s handler, but a /generate takes `busy_s` (real time) while
+    /health answers at once: a replica busy with a long generation."""
+    inner = fleet.handler
 
-        def handler(request: httpx.Request) -> httpx.Response:
-            if request.url.path == "/health":
-                fleet.calls.append((request.url.host, "/health"))
-                return httpx.Response(200, json={"status": "ok"})
-            seen.append(request.extensions["timeout"]["read"])
-            return inner(request)
-        c._http._transport = httpx.MockTransport(handler)
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            fleet.calls.append((request.url.host, "/health"))
+            return httpx.Response(200, json={"status": "ok"})
+        time.sleep(busy_s)
+        return inner(request)
+    return handler
+
+
+def test_a_slow_but_alive_replica_keeps_its_request_however_long_it_runs():
+    # Sending it again would start the generation over, possibly on newer
+    # weights (a push that commits meanwhile): the CI failure that led here.
+    fleet = Fleet(a=1)
+    with fleet.client(retry=FAST, stall_timeout_s=STALL_S, timeout=120) as c:
+        c._http._transport = httpx.MockTransport(slow_handler(fleet, busy_s=20 * STALL_S))
         assert c.generate(["x"]).weight_version == 1
         a = c.replicas()[0]
-    assert seen == [3, 120] and fleet.hosts("/health") == {"a": 1}
-    assert a.down_for_s == 0 and a.last_error.startswith("slow")
+    assert fleet.hosts() == {"a": 1}, "one try: never sent again"
+    assert fleet.hosts("/health")["a"] >= 2  # checked while it ran
+    assert a.down_for_s == 0 and a.last_error is None
+
+
+def test_the_async_client_keeps_a_slow_request_and_gives_up_a_frozen_one(frozen_fleet):
+    async def busy(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        await asyncio.sleep(20 * STALL_S)
+        return httpx.Response(200, json=generated(1))
+
+    async def slow() -> int:
+        async with AsyncGenerationClient(url("a"), retry=FAST, stall_timeout_s=STALL_S,
+                                         transport=httpx.MockTransport(busy)) as c:
+            return (await c.generate(["x"])).weight_version
+    assert asyncio.run(slow()) == 1
+
+    async def frozen(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "b":
+            return httpx.Response(200, json=generated(1))
+        if request.url.path == "/generate":
+            await asyncio.sleep(30)  # cancelled by the watch
+        raise stalled("a")
+
+    async def failover() -> tuple[int, str]:
+        async with AsyncGenerationClient([url("b"), url("a")], retry=FAST,  # a is first
+                                         stall_timeout_s=STALL_S,
+                                         transport=httpx.MockTransport(frozen)) as c:
+            version = (await c.generate(["x"])).weight_version
+            return version, c.replicas()[1].last_error
+    version, error = asyncio.run(failover())
+    assert version == 1 and error.startswith("frozen: connected, then silent")
 
 
 def test_a_connection_reset_mid_request_moves_to_another_replica(fake_time):
@@ -116,23 +175,23 @@ def test_a_connection_reset_mid_request_moves_to_another_replica(fake_time):
         assert a.down_for_s > 0 and a.last_error.startswith("connection reset")
 
 
-def test_when_every_replica_is_frozen_the_error_names_each_at_once(fake_time):
-    fleet = Frozen({"a", "b"}, a=1, b=1)
-    with fleet.client(fake_time, retry=FAST, stall_timeout_s=3) as c:
+def test_when_every_replica_is_frozen_the_error_names_each_at_once(fake_time, frozen_fleet):
+    fleet = frozen_fleet({"a", "b"}, a=1, b=1)
+    with fleet.client(fake_time, retry=FAST, stall_timeout_s=STALL_S) as c:
         with pytest.raises(httpx.ReadTimeout) as e:
             c.generate(["x"])
     message = str(e.value)
     for host in ("a", "b"):
-        assert f"{url(host)}: frozen: connected, then silent for 3s" in message
+        assert f"{url(host)}: frozen: connected, then silent for {STALL_S:g}s" in message
     assert fake_time.sleeps == [] and fleet.hosts() == {"a": 1, "b": 1}
 
 
-def test_the_final_error_says_what_happened_at_each_kind_of_replica(fake_time):
-    fleet = Frozen({"a"}, a=1, b=1, c=1)
+def test_the_final_error_says_what_happened_at_each_kind_of_replica(fake_time, frozen_fleet):
+    fleet = frozen_fleet({"a"}, a=1, b=1, c=1)
     fleet.script["b"] = [httpx.ConnectError("connection refused by b")] * 9
     fleet.script["c"] = [httpx.RemoteProtocolError("Server disconnected")] * 9
     with fleet.client(fake_time, retry=RetryPolicy(attempts=3, stall_down_s=30),
-                      stall_timeout_s=3) as c, pytest.raises(httpx.TransportError) as e:
+                      stall_timeout_s=STALL_S) as c, pytest.raises(httpx.TransportError) as e:
         c.generate(["x"])
     message = str(e.value)
     assert "frozen: connected, then silent" in message
@@ -150,8 +209,8 @@ def test_a_fresh_client_learns_versions_before_a_min_weight_version_request():
     assert fleet.hosts() == {"b": 2}  # a never got the request it would refuse
 
 
-def test_a_frozen_replica_does_not_stall_the_version_probe(fake_time):
-    fleet = Frozen({"a"}, a=18, b=18)
+def test_a_frozen_replica_does_not_stall_the_version_probe(fake_time, frozen_fleet):
+    fleet = frozen_fleet({"a"}, a=18, b=18)
     with fleet.client(fake_time, retry=FAST, stall_timeout_s=3) as c:
         assert c.generate(["x"], min_weight_version=18).weight_version == 18
         a = c.replicas()[0]

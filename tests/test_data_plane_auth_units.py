@@ -124,7 +124,7 @@ def test_gloo_group_forms_through_signed_store_and_leaves_no_keys(master: Any) -
         assert all(not isinstance(g, BaseException) for g in groups), groups
         data = [torch.arange(8, dtype=torch.uint8) if r == 0 else torch.zeros(8, dtype=torch.uint8)
                 for r in range(3)]
-        works = [g.broadcast(d, 0) for g, d in zip(groups, data, strict=True)]
+        works = [g.broadcast(d) for g, d in zip(groups, data, strict=True)]
         for w in works:
             w.wait()
         assert all(torch.equal(d, data[0]) for d in data)
@@ -171,3 +171,32 @@ def test_unsigned_group_still_forms(master: Any) -> None:
     assert all(not isinstance(g, BaseException) for g in groups), groups
     for g in groups:
         close_group(g)
+
+
+def test_a_slow_join_forms_the_group_but_a_stalled_piece_fails_at_the_stall_bound(
+        master: Any) -> None:
+    # The compose CI failure: a fresh container's first connect took longer
+    # than the 15 s stall bound, which then also bounded the rendezvous.
+    # Joining has its own budget (30 s here); every wait after it, the stall
+    # bound (0.5 s), named in gloo's timeout.
+    out: list[Any] = [None, None]
+    secret = new_secret()
+
+    def join(rank: int) -> None:
+        time.sleep(2.0 * rank)  # rank 1 arrives four stall bounds late
+        out[rank] = broadcast_group("127.0.0.1", master.port, "slow-join", rank, 2, "gloo",
+                                    30, secret, op_timeout_s=0.5)
+
+    threads = [threading.Thread(target=join, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    sender, receiver = out
+    assert sender is not None and receiver is not None, "the group did not form"
+    try:
+        with pytest.raises(RuntimeError, match="500ms"):  # nothing is sent: a stall
+            receiver.recv(torch.zeros(8, dtype=torch.uint8), 0).wait()
+    finally:
+        close_group(sender)
+        close_group(receiver)

@@ -178,6 +178,7 @@ class LoopbackTransport:
 
     buffer_device = torch.device("cpu")
     checksum_in_request = False
+    bucket_macs = None
 
     def __init__(self) -> None:
         self.sent: dict[int, bytes] = {}

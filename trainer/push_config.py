@@ -83,6 +83,13 @@ class PushConfig:
     replica, while the others keep serving. The trainer must also hand the
     data plane each bucket within it (gathering one bucket is seconds)."""
 
+    connect_timeout_s: float = 120.0
+    """How long forming the data-plane group may take (every replica's
+    workers and this trainer meet). Not the stall bound: a fresh container's
+    first connect loads gloo's code cold and has taken 15-30 s on two cores.
+    The connect call stays watched, so a replica that freezes meanwhile still
+    fails it within the stall bound."""
+
     lease_wait_s: float = 60.0
     """How long to wait for another trainer's connection lease to run out (a
     restarted trainer finds its old self there) before raising."""
@@ -126,6 +133,8 @@ class PushConfig:
             raise ValueError(f"probe_tolerance must be positive, not {self.probe_tolerance!r}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be positive, not {self.stall_timeout_s!r}")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be positive, not {self.connect_timeout_s!r}")
         if self.lease_wait_s < 0:
             raise ValueError(f"lease_wait_s must be >= 0, not {self.lease_wait_s!r}")
         # Values under 1 always meant "every push"; keep accepting them.

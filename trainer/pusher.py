@@ -92,7 +92,8 @@ class WeightPusher:
         self.transport: Transport | None = None
         if self.rank == 0:
             c = self.config
-            self.replicas = ReplicaAdmins(url, admin_token, Deadlines(c.stall_timeout_s))
+            deadlines = Deadlines(c.stall_timeout_s, c.connect_timeout_s)
+            self.replicas = ReplicaAdmins(url, admin_token, deadlines)
             self.transport = HttpUploadTransport(self.replicas) if c.transport == "http" else \
                 DistributedTransport(self.replicas, c.transport, c.data_plane_host, c.takeover,
                                      c.lease_wait_s, c.fanout, c.authenticate_buckets)
@@ -167,9 +168,7 @@ class WeightPusher:
         buffers = sorted(n for n in persistent_buffers(model)
                          if merge.rename(n) in serving.index.tensors)
         self.transport.ensure_connected(serving.statuses)
-        start_push = getattr(self.transport, "start_push", None)
-        if start_push is not None:  # rank 0 tags this push's buckets (gloo/NCCL)
-            start_push(version)
+        self.transport.start_push(version)  # gloo/NCCL: this push's bucket tags
         plan = CheckpointLayout(merge.base_model).plan(merge.plan(param_plan(model, buffers)))
         buckets = plan_buckets(plan, serving.serve_dtype, self.config.bucket_bytes,
                                serving.wire_dtypes, self.config.split_tensors)
@@ -214,7 +213,7 @@ class WeightPusher:
                 two_phase.abort(begun.push_ids, message)
             raise from_kind(kind, message)
         timeout_s = self._serving.commit_timeout_s
-        macs = getattr(self.transport, "bucket_macs", None)
+        macs = self.transport.bucket_macs
         prepared = two_phase.prepare(begun.push_ids, checksums, timeout_s,
                                      self._serving.versions,
                                      macs.tags if macs is not None else None)

@@ -7,8 +7,11 @@ Ranks: a server's workers sit at `rank_offset + dp_index * (TP * PP) + rank`
 (vLLM's own NCCL engine numbers them the same way), and the trainer gives each
 replica its offset, so N replicas of W workers make a group of 1 + N * W.
 
-NCCL gets its timeout through its options (the plain constructor has none), so
-a dead peer raises after the deadline on both backends instead of hanging.
+Two timeouts. Forming the group (`timeout_s`) is a one-off that may be slow
+(a fresh container loads gloo cold); once formed, every wait on it gets
+`op_timeout_s`, the trainer's stall bound, so a piece that does not move fails
+the transfer on every rank instead of hanging. NCCL gets the first through its
+options (the plain constructor has none); the second goes to each wait.
 
 Fan-out. NCCL's broadcast is already a pipelined ring. gloo's is a binomial
 tree of whole buffers: with two replicas rank 0 sends every bucket twice, one
@@ -37,12 +40,37 @@ CHAIN_CHUNK_BYTES = 16 << 20  # pipelines a 64+ MiB bucket; large enough to send
 Fanout = Literal["broadcast", "chain"]
 
 
+class DataPlaneGroup:
+    """A formed group; every wait on what it starts is bounded by `op_timeout_s`."""
+
+    def __init__(self, pg: Any, op_timeout_s: float) -> None:
+        self.pg = pg
+        self.op_timeout = datetime.timedelta(seconds=op_timeout_s)
+
+    def broadcast(self, buf: Any) -> _Works:
+        return _Works([self.pg.broadcast(buf, SENDER_RANK)], self.op_timeout)
+
+    def send(self, piece: Any, to_rank: int) -> _Works:
+        return _Works([self.pg.send([piece], to_rank, 0)], self.op_timeout)
+
+    def recv(self, piece: Any, from_rank: int) -> _Works:
+        return _Works([self.pg.recv([piece], from_rank, 0)], self.op_timeout)
+
+    def barrier(self) -> _Works:
+        return _Works([self.pg.barrier()], self.op_timeout)
+
+    def abort(self) -> None:
+        self.pg.abort()
+
+
 def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_size: int,
-                    backend: str, timeout_s: float, secret: bytes | None = None) -> Any:
+                    backend: str, timeout_s: float, secret: bytes | None = None,
+                    op_timeout_s: float | None = None) -> DataPlaneGroup:
     """Blocks until every rank joined or `timeout_s` passes (then raises).
     With `secret` (the connection's), the rendezvous is signed and a tampered
     value raises `RendezvousTampered`; once the group formed, every rank
-    deletes the keys it wrote (signed_store.py)."""
+    deletes the keys it wrote (signed_store.py). `op_timeout_s`: each later
+    operation's timeout (default `timeout_s`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     tcp = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     store: Any = dist.PrefixStore(group_prefix(connection_id), tcp)
@@ -68,7 +96,7 @@ def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_s
             raise
         finally:
             signed.delete_written()
-    return group
+    return DataPlaneGroup(group, op_timeout_s or timeout_s)
 
 
 def _barrier(group: Any, backend: str) -> None:
@@ -95,46 +123,48 @@ def close_group(group: Any) -> None:
 
 
 class _Works:
-    def __init__(self, works: list[Any]) -> None:
+    def __init__(self, works: list[Any], timeout: datetime.timedelta) -> None:
         self.works = works
+        self.timeout = timeout
 
     def wait(self) -> None:
         for w in self.works:
-            w.wait()
+            w.wait(self.timeout)
 
 
 def _pieces(buf: Any) -> list[Any]:
     return [buf[i: i + CHAIN_CHUNK_BYTES] for i in range(0, buf.numel(), CHAIN_CHUNK_BYTES)]
 
 
-def send_bucket(group: Any, buf: Any, fanout: Fanout) -> Any:
+def send_bucket(group: DataPlaneGroup, buf: Any, fanout: Fanout) -> _Works:
     """Rank 0: start sending one bucket (a flat uint8 tensor); returns what
     to wait on before the buffer is reused."""
     if fanout == "broadcast":
-        return group.broadcast(buf, SENDER_RANK)
-    return _Works([group.send([p], SENDER_RANK + 1, 0) for p in _pieces(buf)])
+        return group.broadcast(buf)
+    sends = [group.send(p, SENDER_RANK + 1) for p in _pieces(buf)]
+    return _Works([w for s in sends for w in s.works], group.op_timeout)
 
 
-def receive_bucket(group: Any, buf: Any, rank: int, world_size: int, fanout: Fanout,
+def receive_bucket(group: DataPlaneGroup, buf: Any, rank: int, world_size: int, fanout: Fanout,
                    on_piece: Callable[[Any], None] | None = None) -> None:
     """A receiver: fill `buf` (and, in a chain, pass it on); blocks until the
     bucket is here and forwarded. `on_piece` sees each piece as it lands,
     while the next one arrives (a chain) or the whole bucket (a broadcast)."""
     if fanout == "broadcast":
-        group.broadcast(buf, SENDER_RANK).wait()
+        group.broadcast(buf).wait()
         if on_piece is not None:
             on_piece(buf)
         return
     pieces = _pieces(buf)
     forward = rank + 1 < world_size
     sends = []
-    arriving = group.recv([pieces[0]], rank - 1, 0) if pieces else None
+    arriving = group.recv(pieces[0], rank - 1) if pieces else None
     for k, piece in enumerate(pieces):
         arriving.wait()
         if k + 1 < len(pieces):  # posted before forwarding: the link never idles
-            arriving = group.recv([pieces[k + 1]], rank - 1, 0)
+            arriving = group.recv(pieces[k + 1], rank - 1)
         if forward:
-            sends.append(group.send([piece], rank + 1, 0))
+            sends.append(group.send(piece, rank + 1))
         if on_piece is not None:
             on_piece(piece)
     for w in sends:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from rollout_sidecar.client.protocol import (
 )
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.weights.ops import WORKER_METHOD, SideOp
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 REMEMBERED = 64  # ended connections remembered, for clear answers to late calls
@@ -112,6 +115,7 @@ class DataPlane:
         await self.side(SideOp.CONNECT, dict(
             store_host=req.store_host or own_store, store_port=req.store_port or self.port,
             connection_id=req.connection_id, backend=req.backend, timeout_s=timeout,
+            op_timeout_s=req.op_timeout_s,
             world_size=req.world_size, rank_offset=req.rank_offset,
             staging=self.settings.weight_staging, fanout=req.fanout,
             # Hex, to the workers only (StagedInitInfo keeps it out of its repr);
@@ -128,6 +132,7 @@ class DataPlane:
                 if old is not None and old.id != req.connection_id:
                     _remember(self.released, old.id, None)  # its group went at CONNECT
                 why = conn.get("error") or f"the trainer did not join within {timeout:.0f}s"
+                log.warning("data-plane connect %s failed: %s", req.connection_id, why)
                 raise PushConflict(f"connect {req.connection_id}: {why} (is the data-plane "
                                    f"port {self.port} reachable from the trainer?)")
             await asyncio.sleep(POLL_S)

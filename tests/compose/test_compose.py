@@ -218,9 +218,13 @@ def test_compose_up_runs_the_demo(compose, tmp_path, request):
     request.addfinalizer(down)
 
     def logs() -> str:
-        p = subprocess.run([*cmd, "logs", "--no-color", "--tail", "40"], capture_output=True,
-                           text=True, env=env, timeout=120)
-        return p.stdout + p.stderr
+        # The trainer's own traceback sits above torchrun's summary: keep more of it.
+        out = []
+        for service, n in (("server", 40), ("server-b", 40), ("trainer", 200)):
+            p = subprocess.run([*cmd, "logs", "--no-color", "--tail", str(n), service],
+                               capture_output=True, text=True, env=env, timeout=120)
+            out.append(p.stdout + p.stderr)
+        return "\n".join(out)
 
     # `up -d` + `wait trainer` rather than `up --abort-on-container-exit`: the
     # servers must still be up after the demo, to ask them what they serve.

@@ -29,11 +29,10 @@ from rollout_sidecar.client.protocol import (
     WeightStatus,
 )
 from rollout_sidecar.client.protocol.endpoints import auth_headers
+from rollout_sidecar.client.request_plans import NEVER_SENT  # the request never reached it
 from rollout_sidecar.trainer.control.deadlines import Deadlines, Stalled, watched
 from rollout_sidecar.trainer.errors import ReplicaError
 
-# Connection errors: the request never reached the server.
-NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # A liveness or quick call that timed out once connected: the server is frozen.
 SILENT = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
 
@@ -124,7 +123,8 @@ class WeightAdminClient:
                 trainer_id: str | None = None, world_size: int = 2, rank_offset: int = 1,
                 store: tuple[str, int] | None = None,
                 fanout: str = "broadcast", secret: bytes | None = None,
-                bucket_macs: bool = True) -> ConnectResponse:
+                bucket_macs: bool = True, op_timeout_s: float | None = None
+                ) -> ConnectResponse:
         """While another connection's lease runs (a trainer that just restarted
         finds its old self there), wait as the server's Retry-After says, up to
         `lease_wait_s`; a trainer that is really pushing keeps renewing it, and
@@ -132,6 +132,8 @@ class WeightAdminClient:
         body = {"connection_id": connection_id, "backend": backend, "timeout_s": timeout_s,
                 "takeover": takeover, "trainer_id": trainer_id, "world_size": world_size,
                 "rank_offset": rank_offset, "fanout": fanout}
+        if op_timeout_s is not None:
+            body["op_timeout_s"] = op_timeout_s
         if store is not None:
             body.update(store_host=store[0], store_port=store[1])
         if secret is not None:  # in the body only: never in a log line or an error

@@ -9,7 +9,9 @@ never as elapsed time:
 
 - the data plane: the group's per-operation timeout is `stall_s`, so a bucket
   piece that does not move for that long fails the transfer on every rank
-  (gloo and NCCL time out each send and receive on their own);
+  (gloo and NCCL time out each send and receive on their own). Forming the
+  group is a one-off with its own budget, `join_s`, since a cold first
+  connect can take longer than a stall; the connect call is watched;
 - a quick control call (status, index, abort, disconnect) gets `stall_s` as
   its HTTP timeout: an answer takes milliseconds;
 - a long control call (connect, begin, prepare, commit, probe) may take its
@@ -24,12 +26,13 @@ freezing: one stall bound to notice, one for the abort that cannot reach it.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
+
+from rollout_sidecar.client.stall_watch import Silent, run_watched
 
 T = TypeVar("T")
 
@@ -42,6 +45,8 @@ CONNECT_S = 5.0
 class Deadlines:
     stall_s: float = 15.0
     """No progress for this long is a stall, in any phase of a push."""
+    join_s: float = 120.0
+    """Forming the data-plane group (a one-off per connection, slow when cold)."""
 
     @property
     def quick(self) -> httpx.Timeout:
@@ -59,7 +64,7 @@ class Deadlines:
 
     @property
     def group_timeout_s(self) -> float:
-        """The data-plane group's per-operation timeout (and its rendezvous)."""
+        """The data-plane group's per-operation timeout, once it formed."""
         return self.stall_s
 
 
@@ -73,29 +78,10 @@ class Stalled(Exception):
 
 
 def watched(call: Callable[[], T], alive: Callable[[], None], deadlines: Deadlines) -> T:
-    """`call()` in a daemon thread, asking `alive()` (which raises for a
-    replica that does not answer) every `heartbeat_s` it runs. A dead
-    liveness check raises `Stalled` (its transport error as the cause) and
-    leaves `call` to end by its own timeout, in the background: a daemon
-    thread, so it never holds up the interpreter's exit."""
-    box: dict[str, object] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as e:  # re-raised in the caller's thread
-            box["error"] = e
-        done.set()
-
-    threading.Thread(target=run, daemon=True, name="rollout-sidecar-watched-call").start()
-    while not done.wait(deadlines.heartbeat_s):
-        try:
-            alive()
-        except httpx.TransportError as e:
-            if done.is_set():  # the answer came while we asked
-                break
-            raise Stalled(deadlines.stall_s, e) from e
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
+    """`call()`, asking `alive()` (which raises for a replica that does not
+    answer) every `heartbeat_s` it runs; a dead liveness check raises
+    `Stalled` (see client/stall_watch.py)."""
+    try:
+        return run_watched(call, alive, deadlines.heartbeat_s)
+    except Silent as e:
+        raise Stalled(deadlines.stall_s, e.cause) from e.cause

@@ -52,7 +52,7 @@ class BucketSender:
         in_flight: list[Pending | None] = [None, None]
         checksums: list[int] = []
         # gloo/NCCL with a connection secret: this push's keyed tags (bucket_mac.py).
-        macs = getattr(transport, "bucket_macs", None)
+        macs = transport.bucket_macs
         err: Error | None = None
         name, full = "", None  # the tensor being packed, until its last chunk
         for b in buckets:

@@ -8,6 +8,8 @@ from typing import Any, Protocol
 
 import torch
 
+from rollout_sidecar.client.protocol.bucket_mac import PushMacs
+
 
 class Pending(Protocol):
     """A send in flight: `wait()` returns once its buffer may be reused, or
@@ -24,9 +26,15 @@ class Transport(Protocol):
     # on the wire.
     checksum_in_request: bool
     connection_id: str | None  # the data-plane group the replicas hold, if any
+    # This push's keyed bucket tags (client/protocol/bucket_mac.py), set by
+    # `start_push` when the connection authenticates buckets; else None.
+    bucket_macs: PushMacs | None
 
     def ensure_connected(self, statuses: list[Any]) -> None:
         """Make sure every replica (its `WeightStatus` each) can receive."""
+
+    def start_push(self, version: int) -> None:
+        """A push of `version` begins (after `ensure_connected`)."""
 
     def send(self, index: int, buf: torch.Tensor, push_id: Any, checksum: int | None
              ) -> Pending:

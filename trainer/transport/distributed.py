@@ -8,7 +8,8 @@ of the receivers (client/protocol/bucket_group.py). Sends are asynchronous;
 the pusher waits on a bucket's send only before reusing its buffer. The group's
 per-operation timeout is the stall bound (control/deadlines.py): a piece that
 does not move for that long fails the transfer on every rank, server and
-trainer alike, whatever the push's overall budget.
+trainer alike, whatever the push's overall budget. Forming it has a budget of
+its own (`connect_timeout_s`).
 `close()` releases the connection on every replica (POST /weights/disconnect), so
 the next trainer connects at once: only a crashed trainer's lease runs out.
 """
@@ -111,7 +112,8 @@ class DistributedTransport:
         # Per connection, over the admin-authenticated control plane only:
         # signs the rendezvous and keys each bucket's tag (bucket_mac.py).
         secret = self._secret = new_secret()
-        timeout_s = self.replicas.deadlines.group_timeout_s
+        join_s = self.replicas.deadlines.join_s
+        op_s = self.replicas.deadlines.group_timeout_s
         offsets = [1]
         for s in statuses:
             offsets.append(offsets[-1] + s.data_plane_ranks)
@@ -130,7 +132,7 @@ class DistributedTransport:
         def join() -> None:
             try:
                 out["group"] = broadcast_group(store_host, store_port, conn_id, SENDER_RANK,
-                                               world, self.backend, timeout_s, secret)
+                                               world, self.backend, join_s, secret, op_s)
             except BaseException as e:
                 out["join_error"] = e
 
@@ -141,12 +143,14 @@ class DistributedTransport:
         joining.start()
         try:
             self.replicas.all(lambda admin, i: admin.connect(
-                conn_id, self.backend, timeout_s, self.takeover, self.lease_wait_s,
+                conn_id, self.backend, join_s, self.takeover, self.lease_wait_s, op_timeout_s=op_s,
                 trainer_id=self.trainer_id, world_size=world, rank_offset=offsets[i],
                 store=None if i == 0 else (store_host, store_port), fanout=self.fanout,
                 secret=secret, bucket_macs=self.authenticate_buckets), "connect")
         except WeightPushError as e:
-            joining.join(timeout_s)  # a tampered rendezvous aborts every rank at once
+            # A tampered rendezvous aborts every rank within a poll; any other
+            # failure leaves our join to end by its own timeout, in the background.
+            joining.join(self.replicas.deadlines.stall_s)
             self._clean_store(store_host, store_port, conn_id)
             if "group" in out:
                 close_group(out.pop("group"))
@@ -154,7 +158,7 @@ class DistributedTransport:
             if join_error is not None and TAMPERED in str(join_error):
                 raise WeightPushError(f"{e}; and this trainer's join: {join_error}") from e
             raise
-        joining.join(timeout_s)
+        joining.join(join_s)
         if "group" not in out:  # an abandoned join ends by its own timeout
             e = out.get("join_error")
             self._clean_store(store_host, store_port, conn_id)

@@ -22,12 +22,16 @@ class HttpUploadTransport:
     buffer_device = torch.device("cpu")
     checksum_in_request = True  # sent as the X-Checksum header of each bucket
     connection_id = None
+    bucket_macs = None  # admin-authenticated HTTPS requests carry the buckets
 
     def __init__(self, replicas: ReplicaAdmins) -> None:
         self.replicas = replicas
 
     def ensure_connected(self, statuses: list[Any]) -> None:
         pass  # every bucket is a request of its own: nothing to hold open
+
+    def start_push(self, version: int) -> None:
+        pass
 
     def send(self, index: int, buf: torch.Tensor, push_id: list[str], checksum: int | None
              ) -> Any:

@@ -28,7 +28,6 @@ from vllm.distributed.weight_transfer.base import (
 
 from rollout_sidecar.client.protocol import BucketManifest
 from rollout_sidecar.client.protocol.bucket_group import (
-    SENDER_RANK,
     broadcast_group,
     close_group,
     receive_bucket,
@@ -52,7 +51,8 @@ class StagedInitInfo(WeightTransferInitInfo):
     store_port: int
     connection_id: str
     backend: str = "gloo"
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # forming the group
+    op_timeout_s: float | None = None  # each operation once formed (None: timeout_s)
     world_size: int = 2
     rank_offset: int = 1
     staging: str = "auto"  # NCCL only: "device" stages in GPU memory, else pinned host
@@ -99,7 +99,7 @@ class _Joiner(threading.Thread):
         try:
             self.group = broadcast_group(i.store_host, i.store_port, i.connection_id,
                                          self.rank, i.world_size, i.backend, i.timeout_s,
-                                         i.key)
+                                         i.key, i.op_timeout_s)
         except BaseException as e:  # reported through SideOp.STATE
             self.error = f"{type(e).__name__}: {e}"
 
@@ -263,7 +263,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 bounce = torch.empty(size, dtype=torch.uint8, device=self.device)
             for b in self.staging.buckets:
                 target = b.buffer if bounce is None else bounce[: b.nbytes]
-                work = self.group.broadcast(target, SENDER_RANK)
+                work = self.group.broadcast(target)
                 # Checksum (and tag) the previous bucket while this one arrives.
                 if pending is not None:
                     _digest(pending, key)
