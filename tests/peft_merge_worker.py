@@ -92,9 +92,9 @@ def main() -> None:
             merge = PeftMerge(model)
             plan = CheckpointLayout(merge.base_model).plan(merge.plan(param_plan(model)))
             begun = _Begun(plan_buckets(plan, torch.float32, pusher.config.bucket_bytes),
-                           ["p"], [], False)
+                           ["p"])
             pusher.transport = LoopbackTransport()
-        _, err = pusher._gather_and_send(model, begun)
+        _, err = pusher._gather_and_send(model, begun, [])
         # every rank's shards, bit for bit (before the forward, which may
         # leave FSDP2's root unsharded)
         same = torch.tensor([int(all(torch.equal(a, b) for a, b in zip(

@@ -76,7 +76,7 @@ def push_loopback(model: torch.nn.Module, wire: torch.dtype = torch.float32
     buckets = plan_buckets(plan, wire, BUCKET)
     pusher = WeightPusher("http://127.0.0.1:9", admin_token="t", probe=False)
     pusher.transport = LoopbackTransport()
-    checksums, err = pusher._gather_and_send(model, _Begun(buckets, ["p"], [], False))
+    checksums, err = pusher._gather_and_send(model, _Begun(buckets, ["p"]), [])
     assert err is None, err
     assert len(checksums) == len(buckets) > 1
     return reassemble(buckets, pusher.transport.sent), buckets

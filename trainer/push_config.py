@@ -21,6 +21,8 @@ from rollout_sidecar.trainer.probe import Forward
 Transport = Literal["gloo", "nccl", "http"]
 Fanout = Literal["auto", "broadcast", "chain"]
 OnServerRestart = Literal["repush", "raise"]
+DeltaMode = Literal["auto", True, False]
+CopyLocation = Literal["host", "device"]
 
 # The probe was called "verify" before the vocabulary settled (check = CRCs,
 # probe = logprobs); the old keyword arguments keep working for one minor
@@ -119,10 +121,34 @@ class PushConfig:
     loopback gloo (bench/data_plane_mac.py); CRC-32 still catches accidents.
     The rendezvous is signed with the connection's secret either way."""
 
+    delta: DeltaMode = "auto"
+    """Send only what changed since the last version every replica committed
+    (trainer/delta/): each rank diffs its own shard against a copy of it, in
+    the wire dtype, and only changed (position, value) pairs travel, losslessly.
+    "auto" (or True) falls back to a dense push where a delta cannot go (the
+    first push, a replica restarted or missed a push, a PEFT model, a
+    patch over half the dense bytes); `PushResult.encoding` says which went,
+    `delta_reason` why not. False: always dense, and no copy is kept."""
+
+    delta_copy: CopyLocation = "host"
+    """Where each rank keeps its shard copy for `delta`: host memory (1/N of
+    the model in the wire dtype) or the shard's own device (faster diffs on a
+    GPU, at the cost of that much GPU memory)."""
+
+    delta_dense_above: float = 0.25
+    """A tensor with more than this share of its elements changed travels
+    whole inside a delta push (client/protocol/delta_codec.py measures the
+    break-even)."""
+
     def __post_init__(self) -> None:
         _one_of("transport", self.transport, Transport)
         _one_of("fanout", self.fanout, Fanout)
         _one_of("on_server_restart", self.on_server_restart, OnServerRestart)
+        _one_of("delta", self.delta, DeltaMode)
+        _one_of("delta_copy", self.delta_copy, CopyLocation)
+        if not 0 < self.delta_dense_above <= 1:
+            raise ValueError(f"delta_dense_above must be in (0, 1], not "
+                             f"{self.delta_dense_above!r}")
         if self.commit_policy is not None:
             _one_of("commit_policy", self.commit_policy, CommitPolicy)
         if self.fanout == "chain" and self.transport != "gloo":
@@ -181,5 +207,5 @@ def probe_arguments(probe: bool | Forward | None, probe_tolerance: float | None,
 
 def _one_of(name: str, value: object, allowed: Any) -> None:
     if value not in get_args(allowed):
-        choices = ", ".join(get_args(allowed))
+        choices = ", ".join(str(a) for a in get_args(allowed))
         raise ValueError(f"{name} must be one of {choices}, not {value!r}")

@@ -46,6 +46,12 @@ class PushResult:
     commit_policy: str | None = None
     server_restarted: bool = False  # a server had restarted since the previous push
     replicas: list[ReplicaOutcome] = field(default_factory=list)
+    encoding: Literal["dense", "delta"] = "dense"
+    """"delta": only changes travelled (`nbytes` is what went on the wire)."""
+    delta_base: int | None = None  # the version a delta was applied to
+    delta_reason: str | None = None  # why a push with delta on went dense
+    changed: int | None = None  # a delta: elements that changed
+    elements: int | None = None  # a delta: elements of the whole model
 
     @property
     def probe_gap(self) -> float | None:

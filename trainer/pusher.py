@@ -3,14 +3,18 @@
 
 A push, in order:
   1. refuse a model with parameters still on the meta device (any rank's);
-  2. begin (rank 0): read what every replica serves (control/serving_state.py),
-     plan the buckets, connect the data plane, begin on every replica;
-  3. gather and send: every rank gathers every bucket in the same order (the
-     collectives line up); rank 0 packs and sends (pack/sender.py);
-  4. prepare, then commit, on every replica (control/two_phase.py): all or
+  2. open (rank 0): read what every replica serves (control/serving_state.py),
+     connect the data plane, and say whether a delta can go (delta/);
+  3. begin: plan the buckets (a delta's from every rank's diff of its own
+     shard), begin on every replica;
+  4. gather and send: every rank gathers every bucket in the same order (the
+     collectives line up); rank 0 packs and sends (pack/sender.py): the full
+     tensors, or the changed elements of each rank's shard;
+  5. prepare, then commit, on every replica (control/two_phase.py): all or
      nothing across replicas, a refusal before the commit aborts everywhere;
-  5. probe (probe.py): the served logprobs against this trainer's forward.
-Only rank 0 talks to the servers. After steps 2, 4 and 5 the ranks agree on
+     every rank's shard copy then moves to this version (the next delta's base);
+  6. probe (probe.py): the served logprobs against this trainer's forward.
+Only rank 0 talks to the servers. After steps 2, 3, 5 and 6 the ranks agree on
 the outcome (rank_agreement.py): whatever rank 0 hit is raised on every rank
 at the same point instead of leaving peers blocked in a collective. Every
 wait is bounded (control/deadlines.py): a stall by `stall_timeout_s`, a slow
@@ -26,10 +30,12 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from rollout_sidecar.client.protocol import BucketManifest, CommitPolicy
+from rollout_sidecar.client.protocol.wire_format import dtype_name
 from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.control.serving_state import ServingState
 from rollout_sidecar.trainer.control.two_phase import TwoPhaseCommit
+from rollout_sidecar.trainer.delta.delta_push import DeltaPlan, DeltaPush, Opening, replicas_base
 from rollout_sidecar.trainer.errors import Error, PartialCommitError, from_kind
 from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
 from rollout_sidecar.trainer.gather.full_tensors import (
@@ -59,8 +65,6 @@ class _Begun(NamedTuple):
 
     buckets: list[BucketManifest]
     push_ids: list[str]  # each replica's id of this push
-    buffers: list[str]  # persistent buffers that travel with the parameters
-    restarted: bool
 
 
 class WeightPusher:
@@ -87,6 +91,8 @@ class WeightPusher:
         self._pushes = 0
         self._sender = BucketSender()
         self._serving = ServingState()
+        self._delta = DeltaPush(self.config.delta_copy, self.config.delta_dense_above) \
+            if self.config.delta is not False else None
         # Rank 0 alone talks to the servers: the others hold no connection.
         self.replicas: ReplicaAdmins | None = None
         self.transport: Transport | None = None
@@ -137,13 +143,31 @@ class WeightPusher:
                 f"{bad[:8] if bad else '(on another rank)'}; materialise them "
                 "(e.g. to_empty() + init/load) before pushing")
 
-        begun: _Begun = agree(lambda: self._begin(model, version) if self.rank == 0 else None)
+        opening: Opening = agree(lambda: self._open(model, version) if self.rank == 0
+                                 else None)
+        delta, why_dense = self._delta.plan(model, opening, self.config.bucket_bytes) \
+            if self._delta is not None else (None, None)
+        begun: _Begun = agree(lambda: self._begin(model, version, opening, delta)
+                              if self.rank == 0 else None)
         t_begun = time.perf_counter()
-        checksums, err = self._gather_and_send(model, begun)
+        if delta is not None:
+            checksums, err = self._send_delta(delta, begun)
+        else:
+            checksums, err = self._gather_and_send(model, begun, opening.buffers)
         t_sent = time.perf_counter()
-        result: PushResult = agree(lambda: self._commit(begun, checksums, err)
+        result: PushResult = agree(lambda: self._commit(begun, checksums, err,
+                                                        opening.restarted)
                                    if self.rank == 0 else None)
         t_committed = time.perf_counter()
+        if self._delta is not None and opening.keep_copy:  # the next delta's base
+            self._delta.committed(model, opening, result.version)
+        if delta is not None:
+            result.encoding, result.delta_base = "delta", delta.base
+            result.changed = sum(p.changed for p in delta.plans
+                                 if p.form.value != "dense")
+            result.elements = sum(p.numel for p in delta.plans)
+        else:
+            result.delta_reason = why_dense
         if probe is None:  # the pusher's setting, every probe_every-th push
             probe = self.config.probe if self._pushes % self.config.probe_every == 0 else False
         self._pushes += 1
@@ -157,8 +181,8 @@ class WeightPusher:
                               total_s=time.perf_counter() - t0)
         return result
 
-    def _begin(self, model: nn.Module, version: int) -> _Begun:
-        """Rank 0: check the replicas, plan the buckets, begin everywhere."""
+    def _open(self, model: nn.Module, version: int) -> Opening:
+        """Rank 0: check the replicas, connect, and see whether a delta may go."""
         assert self.replicas is not None and self.transport is not None
         merge = PeftMerge(model)  # a PEFT model sends merged weights (or is refused here)
         serving = self._serving
@@ -169,14 +193,52 @@ class WeightPusher:
                          if merge.rename(n) in serving.index.tensors)
         self.transport.ensure_connected(serving.statuses)
         self.transport.start_push(version)  # gloo/NCCL: this push's bucket tags
-        plan = CheckpointLayout(merge.base_model).plan(merge.plan(param_plan(model, buffers)))
-        buckets = plan_buckets(plan, serving.serve_dtype, self.config.bucket_bytes,
-                               serving.wire_dtypes, self.config.split_tensors)
-        push_ids = self._two_phase.begin(version, manifest(buckets), self.config.commit_policy,
-                                         serving.commit_timeout_s)
-        return _Begun(buckets, push_ids, buffers, restarted)
+        converted = merge.active or CheckpointLayout(merge.base_model).active
+        if converted:  # what travels is computed from several tensors: no shard to diff
+            base, why = None, "a PEFT model (pushed merged) or a checkpoint conversion: dense"
+        else:
+            base, why = replicas_base(serving.statuses, self.replicas.urls,
+                                      self._delta.copy.version if self._delta else None)
+        return Opening(restarted, dtype_name(serving.serve_dtype),
+                       {n: t.dtype for n, t in serving.index.tensors.items()}, buffers,
+                       base, why, keep_copy=not converted)
 
-    def _gather_and_send(self, model: nn.Module, begun: _Begun) -> tuple[list[int], Error | None]:
+    def _begin(self, model: nn.Module, version: int, opening: Opening,
+               delta: DeltaPlan | None) -> _Begun:
+        """Rank 0: plan the buckets (a delta's are planned), begin everywhere."""
+        serving = self._serving
+        if delta is not None:
+            buckets = delta.buckets
+        else:
+            merge = PeftMerge(model)
+            plan = CheckpointLayout(merge.base_model).plan(
+                merge.plan(param_plan(model, opening.buffers)))
+            buckets = plan_buckets(plan, serving.serve_dtype, self.config.bucket_bytes,
+                                   serving.wire_dtypes, self.config.split_tensors)
+        push_ids = self._two_phase.begin(version, manifest(buckets), self.config.commit_policy,
+                                         serving.commit_timeout_s,
+                                         delta.base if delta is not None else None)
+        return _Begun(buckets, push_ids)
+
+    def _send_delta(self, delta: DeltaPlan, begun: _Begun) -> tuple[list[int], Error | None]:
+        """Every rank sends its changes of each bucket to rank 0, which
+        encodes, packs and sends the patches."""
+        patches = delta.diff.patches(begun.buckets, delta.plans)
+        if self.rank != 0:
+            for _ in patches:  # every bucket's gather
+                pass
+            return [], None
+        assert self.transport is not None
+        try:
+            out = self._sender.send_all(begun.buckets, patches, self.transport, begun.push_ids)
+        except Exception as e:
+            out = [], ("push", f"{type(e).__name__}: {e}")
+        for _ in patches:  # finish every gather the other ranks are in
+            pass
+        return out
+
+    def _gather_and_send(self, model: nn.Module, begun: _Begun, buffers: list[str]
+                         ) -> tuple[list[int], Error | None]:
         """Every rank gathers every tensor; rank 0 packs and sends them. An
         error is returned, not raised, so rank 0 keeps taking part in every
         gather; the commit step then agrees on it."""
@@ -190,7 +252,7 @@ class WeightPusher:
                 pass
             return [], None
         assert self.transport is not None
-        gathers = iter_full_tensors(model, c.device, begun.buffers, block_bytes)
+        gathers = iter_full_tensors(model, c.device, buffers, block_bytes)
         try:
             merge = PeftMerge(model)
             tensors = CheckpointLayout(merge.base_model).convert(merge.convert(gathers))
@@ -202,7 +264,8 @@ class WeightPusher:
             pass
         return checksums, err
 
-    def _commit(self, begun: _Begun, checksums: list[int], err: Error | None) -> PushResult:
+    def _commit(self, begun: _Begun, checksums: list[int], err: Error | None,
+                restarted: bool) -> PushResult:
         """Rank 0: abort on a send error, else prepare and commit everywhere."""
         two_phase = self._two_phase
         if err is not None:
@@ -218,8 +281,7 @@ class WeightPusher:
                                      self._serving.versions,
                                      macs.tags if macs is not None else None)
         committed, outcomes = two_phase.commit(begun.push_ids, timeout_s)
-        return PushResult.committed(begun.buckets, prepared, committed, outcomes,
-                                    begun.restarted)
+        return PushResult.committed(begun.buckets, prepared, committed, outcomes, restarted)
 
     def close(self) -> None:
         """Release the data-plane connection on every replica (a few seconds at

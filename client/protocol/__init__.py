@@ -34,6 +34,7 @@ from rollout_sidecar.client.protocol.weights_api import (
     DisconnectRequest,
     DisconnectResponse,
     LastPush,
+    PatchInfo,
     PrepareRequest,
     PrepareResponse,
     ProbeRequest,
@@ -50,7 +51,7 @@ __all__ = [
     "CommitRequest", "CommitResponse", "ConnectRequest", "ConnectResponse",
     "DisconnectRequest", "DisconnectResponse", "ErrorItem", "ErrorResponse", "FinishReason",
     "GenerateRequest", "GenerateResponse", "HealthResponse", "InfoResponse", "LastPush",
-    "PrepareRequest", "PrepareResponse", "ProbeRequest", "ProbeResult", "PromptResult",
+    "PatchInfo", "PrepareRequest", "PrepareResponse", "ProbeRequest", "ProbeResult", "PromptResult",
     "Sample", "SamplingConfig", "TensorInfo", "TensorSlot", "Transport", "Usage",
     "WeightIndex", "WeightStatus",
 ]

@@ -136,3 +136,59 @@ def apply(patch: Patch, base: torch.Tensor) -> None:
         raise ValueError(f"patch names {where.numel()} positions for "
                          f"{patch.values.numel()} values")
     flat[where] = patch.values.to(flat.dtype)
+
+
+# ------------------------------------------------------------------ on the wire
+# A patch slot in a bucket: its positions, padded to POSITION_ALIGN bytes, then
+# its values (so they stay aligned for any dtype). The sizes follow from the
+# form, the tensor's element count and the number of changes alone
+# (weights_api.patch_nbytes), so a manifest says them before any diff is sent.
+
+
+def from_positions(form: PatchForm, numel: int, where: torch.Tensor, values: torch.Tensor
+                   ) -> Patch:
+    """The patch of `form` naming ascending flat positions `where` (int64)
+    with their new `values`; a dense form takes every value, in order."""
+    if form is PatchForm.DENSE:
+        return Patch(form, numel, torch.empty(0, dtype=torch.uint8, device=values.device), values)
+    if form is PatchForm.INDEX:
+        return Patch(form, numel, where.to(torch.int32), values)
+    if form is PatchForm.GAPS:
+        gaps = torch.diff(where, prepend=where.new_zeros(1)) if where.numel() else where
+        if gaps.numel() and int(gaps.max()) >= 1 << 16:
+            raise ValueError("gaps form: two changes are 65536 or more elements apart")
+        return Patch(form, numel, gaps.to(torch.int32).to(torch.int16), values)
+    mask = torch.zeros(numel + (-numel) % 8, dtype=torch.uint8, device=where.device)
+    mask[where] = 1
+    packed = (mask.view(-1, 8) * _BIT_WEIGHTS.to(where.device)).sum(1, dtype=torch.uint8)
+    return Patch(form, numel, packed, values)
+
+
+def write(patch: Patch, out: torch.Tensor) -> None:
+    """The patch's wire bytes into `out` (a uint8 view of exactly its slot)."""
+    pos = patch.positions.reshape(-1).view(torch.uint8)
+    split = out.numel() - patch.values.numel() * patch.values.element_size()
+    if split < pos.numel():
+        raise ValueError(f"patch of {pos.numel()} position bytes and "
+                         f"{out.numel() - split} value bytes does not fit {out.numel()}")
+    out[: pos.numel()].copy_(pos)
+    out[pos.numel(): split].zero_()  # the padding: the CRC covers every byte
+    out[split:].copy_(patch.values.reshape(-1).view(torch.uint8))
+
+
+def read(raw: torch.Tensor, form: PatchForm, numel: int, changed: int, dtype: torch.dtype
+         ) -> Patch:
+    """The patch in a slot's bytes (views, no copy)."""
+    vbytes = changed * dtype.itemsize
+    split = raw.numel() - vbytes
+    values = raw[split:].view(dtype)
+    if form is PatchForm.DENSE:
+        return Patch(form, numel, raw[:0], values)
+    n = {PatchForm.INDEX: changed * 4, PatchForm.GAPS: changed * 2,
+         PatchForm.BITMAP: (numel + 7) // 8}[form]
+    pos = raw[:n]
+    if form is PatchForm.INDEX:
+        pos = pos.view(torch.int32)
+    elif form is PatchForm.GAPS:
+        pos = pos.view(torch.int16)
+    return Patch(form, numel, pos, values)

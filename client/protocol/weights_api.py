@@ -38,6 +38,31 @@ def _hex_secret_schema(schema: dict) -> None:
     schema["pattern"] = f"^{_HEX_SECRET.pattern}$"  # what the validator enforces
 
 
+PatchFormName = Literal["dense", "index", "gaps", "bitmap"]
+POSITION_ALIGN = 8  # a patch's values start at a multiple of this, after its positions
+
+
+def patch_nbytes(form: str, numel: int, changed: int, itemsize: int) -> int:
+    """Bytes of one patch slot: its positions (int32 indices, uint16 gaps or
+    a bitmap; none when dense), padded to POSITION_ALIGN, then the changed
+    values (client/protocol/delta_codec.py reads and writes them)."""
+    positions = {"dense": 0, "index": 4 * changed, "gaps": 2 * changed,
+                 "bitmap": (numel + 7) // 8}[form]
+    return -(-positions // POSITION_ALIGN) * POSITION_ALIGN + changed * itemsize
+
+
+class PatchInfo(StrictModel):
+    """A delta push's entry: the tensor's changes since the push's `delta_base`."""
+
+    form: PatchFormName = Field(description="How the changed positions are written: "
+                                "`index` (int32 flat positions), `gaps` (uint16 distances "
+                                "from the previous position, the first from 0), `bitmap` "
+                                "(one bit per element, LSB first), or `dense` (every value, "
+                                "no positions).")
+    changed: Int = Field(ge=0, description="Changed elements: the values after the "
+                         "positions (every element for `dense`).")
+
+
 class TensorSlot(StrictModel):
     """Where one tensor, or one chunk of it, sits inside a packed bucket: the
     one manifest entry type, built by the trainer's planner, sent in
@@ -58,6 +83,10 @@ class TensorSlot(StrictModel):
         "Absent: the entry is the whole tensor.")
     nbytes: Int | None = Field(None, json_schema_extra=not_null,
                                description="A chunk: its length in bytes; with chunk_offset.")
+    patch: PatchInfo | None = Field(
+        None, json_schema_extra=not_null,
+        description="A delta push's entry (the push names `delta_base`): the slot holds the "
+        "tensor's changes, encoded, not the tensor. Never split.")
 
     @property
     def numel(self) -> int:
@@ -74,7 +103,13 @@ class TensorSlot(StrictModel):
 
     @property
     def length(self) -> int:
-        """Bytes this entry occupies in its bucket: the chunk, or the whole tensor."""
+        """Bytes this entry occupies in its bucket: the chunk, the patch, or
+        the whole tensor."""
+        if self.patch is not None:
+            from rollout_sidecar.client.protocol.wire_format import itemsize
+
+            return patch_nbytes(self.patch.form, self.numel, self.patch.changed,
+                                itemsize(self.dtype))
         return self.nbytes if self.chunk_offset is not None and self.nbytes is not None \
             else self.tensor_nbytes
 
@@ -175,6 +210,11 @@ class BeginRequest(StrictModel):
     commit_policy: CommitPolicy | None = Field(
         None, description="In-flight requests at this push's commit; default: the server's.")
     buckets: list[BucketManifest] = Field(min_length=1)
+    delta_base: Int | None = Field(
+        None, json_schema_extra=not_null,
+        description="A delta push: every slot carries a `patch` against this version, which "
+        "must be the one this replica's staged copy holds (`WeightStatus.delta_base`). "
+        "Absent: a dense push, every slot the whole tensor.")
 
 
 class BeginResponse(BaseModel):
@@ -294,3 +334,7 @@ class WeightStatus(ReplyModel):
         None, description="The trainer's post-push probe of the latest version that ran one.")
     suspect: str | None = Field(
         None, description="Why the served version is suspect (its probe failed), else null.")
+    delta_base: int | None = Field(
+        None, description="The version this replica's staged copy holds, bit for bit: the "
+        "base a delta push must name. Null after a restart or a failed load, and while a "
+        "dense push is under way: the next push must be dense.")

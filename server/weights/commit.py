@@ -49,6 +49,9 @@ class TwoPhaseCommit:
         self.metrics = metrics
         self.plane = plane
         self.session = session
+        # The version every worker's staged copy holds (worker/patching.py):
+        # the base a delta push may name; None when the next must be dense.
+        self.delta_base: int | None = None
 
     @property
     def llm(self) -> Any:
@@ -136,6 +139,7 @@ class TwoPhaseCommit:
 
     async def _load(self, push: Push) -> None:
         gate, v = self.engine.gate, push.req.version
+        self.delta_base = None  # the workers' staged copies change from here on
         try:
             await ops.send(self.llm, WorkerOp.LOAD)  # a raise here has ended vLLM's session
         except Exception as e:
@@ -149,7 +153,8 @@ class TwoPhaseCommit:
             raise PushFailed(f"push rejected at load, version {gate.version} "
                              f"{'still serving' if gate.broken is None else 'unusable'}: {e}"
                              ) from e
-        # Only releases the staging; vLLM keeps its session open if this raises.
+        self.delta_base = v
+        # Only releases the patches; vLLM keeps its session open if this raises.
         await self.llm.finish_weight_update(weight_version=str(v))
 
     # -------------------------------------------------------------- abort

@@ -54,10 +54,23 @@ class _ChunkCoverage:
                              "buckets")
 
 
+def _patch_size(p: TensorSlot, f: str) -> int:
+    assert p.patch is not None
+    if p.chunk_offset is not None or p.nbytes is not None:
+        raise BadRequest(f"{p.name}: a patch is never split (no chunk_offset, nbytes)",
+                         f"{f}.chunk_offset")
+    if p.patch.changed > p.numel or (p.patch.form == "dense" and p.patch.changed != p.numel):
+        raise BadRequest(f"{p.name}: {p.patch.changed} changed elements in a {p.patch.form} "
+                         f"patch of a tensor of {p.numel}", f"{f}.patch.changed")
+    return p.length
+
+
 def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) -> None:
     """Raise `BadRequest` naming the first offending field."""
     seen: set[str] = set()
     chunks = _ChunkCoverage()
+    # A delta push covers the checkpoint too: a slot per tensor, zero bytes
+    # where nothing changed; the resident copy supplies the rest.
     for bi, bucket in enumerate(req.buckets):
         where = f"buckets[{bi}]"
         if bucket.index != bi:
@@ -86,7 +99,13 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) 
                 raise BadRequest(f"{p.name}: dtype {p.dtype}, server expects {want} (floating "
                                  f"tensors travel in the serving dtype {serve_dtype}; the "
                                  "pusher casts: is it talking to another server?)", f"{f}.dtype")
-            size = chunks.size(p, itemsize(p.dtype) * spec.numel, f)
+            if (p.patch is not None) != (req.delta_base is not None):
+                raise BadRequest(f"{p.name}: a delta push (delta_base) carries a patch in "
+                                 "every slot, a dense push in none", f"{f}.patch")
+            if p.patch is not None:
+                size = _patch_size(p, f)
+            else:
+                size = chunks.size(p, itemsize(p.dtype) * spec.numel, f)
             if p.offset < end_prev or p.offset % itemsize(p.dtype):
                 raise BadRequest(f"{p.name}: offset {p.offset} overlaps or is misaligned",
                                  f"{f}.offset")

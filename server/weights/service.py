@@ -107,7 +107,7 @@ class WeightService:
             push_timeout_s=self.settings.push_timeout_s,
             commit_drain_s=self.settings.commit_drain_s, last_push=self.session.last,
             last_probe=self.last_probe, suspect=gate.suspect.get(gate.version),
-            broken=gate.broken)
+            broken=gate.broken, delta_base=self.commits.delta_base)
 
     def index(self) -> WeightIndex:
         idx, serve = self.engine.index, self.engine.info.dtype
@@ -162,14 +162,23 @@ class WeightService:
             if req.transport != "http":
                 self.plane.check_owner(req.connection_id)
             check_manifest(req, self.engine.index, self.engine.info.dtype)
+            held = self.commits.delta_base
+            if req.delta_base is not None and req.delta_base != held:
+                raise PushConflict(f"delta_base {req.delta_base}: this replica's staged copy "
+                                   f"holds {'no complete version' if held is None else held}"
+                                   "; send this push dense (see WeightStatus.delta_base)")
             push = self.session.new_push(req, req.commit_policy or self.settings.commit_policy,
                                          self.settings.push_timeout_s)
+            if req.delta_base is None:
+                self.commits.delta_base = None  # a dense receive overwrites the staged copy
             try:
                 await self.llm.start_weight_update()
                 await ops.send(self.llm,
                                WorkerOp.ALLOCATE if req.transport == "http" else WorkerOp.RECEIVE,
-                               manifest=[b.model_dump() for b in req.buckets])
+                               manifest=[b.model_dump() for b in req.buckets],
+                               version=req.version, delta_base=req.delta_base)
             except Exception as e:  # a raising op already ended vLLM's session
+                self.commits.delta_base = None  # the workers may disagree: start over dense
                 if req.transport != "http":
                     await self.plane.drop()
                 raise PushConflict(f"could not start the receive: {e}") from e

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rollout_sidecar.client.protocol import BucketManifest, TensorSlot
+from rollout_sidecar.client.protocol.delta_codec import Patch, write
 from rollout_sidecar.client.protocol.wire_format import crc32, slot_bytes, torch_dtype
 from rollout_sidecar.trainer.errors import Error  # (kind, message): see errors.py
 from rollout_sidecar.trainer.gather.row_blocks import FlatCursor, RowBlocks
@@ -108,6 +109,8 @@ def _pack(buf: torch.Tensor, slot: TensorSlot, name: str, full: torch.Tensor | F
     the slot's chunk) into the bucket."""
     if name != slot.name:
         return ("push", f"gather order changed: got {name}, planned {slot.name}")
+    if slot.patch is not None:
+        return _pack_patch(buf, slot, name, full)
     try:
         dtype = torch_dtype(slot.dtype)
         view = slot_bytes(buf, slot).view(dtype)
@@ -123,6 +126,22 @@ def _pack(buf: torch.Tensor, slot: TensorSlot, name: str, full: torch.Tensor | F
                     f"tensor, after casting to {dtype}); the server keeps serving the "
                     "previous version")
     except Exception as e:  # an OOM, a shape mismatch: agreed on with the other ranks
+        return ("push", f"packing {name} failed: {type(e).__name__}: {e}")
+    return None
+
+
+def _pack_patch(buf: torch.Tensor, slot: TensorSlot, name: str, patch: object) -> Error | None:
+    """A delta push's slot: the patch's positions and values (delta_codec.py);
+    its values are checked for NaN/inf like a dense tensor's."""
+    if not isinstance(patch, Patch):  # the gather failed: patch_gather.py says why
+        return ("push", f"packing {name} failed: {patch}")
+    try:
+        if patch.values.is_floating_point() and not all_finite(patch.values):
+            return ("nonfinite", f"refusing to push: {name} holds NaN or inf (first such "
+                    f"tensor, in the delta after casting to {slot.dtype}); the server keeps "
+                    "serving the previous version")
+        write(patch, slot_bytes(buf, slot))
+    except Exception as e:
         return ("push", f"packing {name} failed: {type(e).__name__}: {e}")
     return None
 

@@ -39,7 +39,8 @@ from rollout_sidecar.server.weights.worker.fault_injection import (
     apply_test_faults,
     crash_after_load,
 )
-from rollout_sidecar.server.weights.worker.reload import load_all_or_nothing
+from rollout_sidecar.server.weights.worker.patching import ResidentCopy, apply_patches
+from rollout_sidecar.server.weights.worker.reload import LoadRefused, load_all_or_nothing
 from rollout_sidecar.server.weights.worker.staging import Staging
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ class StagedUpdateInfo(WeightTransferUpdateInfo):
     data: bytes | None = None
     timeout_s: float = 300.0
     macs: list[str] | None = None  # CHECK: each bucket's tag (with a secret)
-    version: int | None = None  # CHECK: the push's version, bound into the tags
+    version: int | None = None  # CHECK: bound into the tags; RECEIVE/ALLOCATE, LOAD
+    delta_base: int | None = None  # RECEIVE/ALLOCATE: a delta push's base (patching.py)
 
 
 class _Joiner(threading.Thread):
@@ -111,7 +113,12 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # `staging` holds a dense push's buckets, and after its load stays
+        # resident: the version a delta applies to. `patches` holds a delta.
         self.staging = Staging()
+        self.patches = Staging()
+        self.resident = ResidentCopy()
+        self._push: StagedUpdateInfo | None = None  # the push's RECEIVE/ALLOCATE
         self._joiner: _Joiner | None = None
         self._receiver: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -177,10 +184,20 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     # ------------------------------------------------------------------ session
 
+    @property
+    def _delta_base(self) -> int | None:
+        return self._push.delta_base if self._push is not None else None
+
+    @property
+    def incoming(self) -> Staging:
+        """Where this push's buckets land."""
+        return self.patches if self._delta_base is not None else self.staging
+
     def start_weight_update(self) -> None:
         self._error = None
         self._checked = False
-        self.staging.release()
+        self._push = None
+        self.patches.release()  # the staged copy stays: a delta may apply to it
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # Overrides the base, which calls torch.accelerator.synchronize(): that
@@ -195,11 +212,11 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     def receive_weights(self, info: StagedUpdateInfo) -> None:
         op = WorkerOp(info.op)
         if op is WorkerOp.ALLOCATE:
-            self.staging.allocate(_manifest(info), torch.device("cpu"))
+            self._allocate(info, torch.device("cpu"))
         elif op is WorkerOp.RECEIVE:
             if self.group is None:
                 raise RuntimeError("data plane not connected; call /weights/connect first")
-            self.staging.allocate(_manifest(info), self._staging_device())
+            self._allocate(info, self._staging_device())
             self._receiver = threading.Thread(target=self._receive_all, daemon=True,
                                               name="rollout-sidecar-recv")
             self._receiver.start()
@@ -211,20 +228,45 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             if self._error is not None:
                 raise RuntimeError(f"receive failed: {self._error}")
             self._check_macs(info)  # first: a forger fixes the CRC up too
-            self.staging.check(info.checksums or [])
+            self.incoming.check(info.checksums or [])
             self._checked = True
         elif op is WorkerOp.LOAD:
             if not self._checked:
                 raise RuntimeError("load before every bucket arrived and passed its CRC")
-            weights = apply_test_faults(self.staging.tensors(), self.model_config.model)
-            load_all_or_nothing(self.model, self.model_config, weights)
-            self.staging.release()
+            self._load()
             crash_after_load()
         elif op is WorkerOp.ABORT:
             raise RuntimeError("push aborted")
 
+    def _allocate(self, info: StagedUpdateInfo, device: torch.device) -> None:
+        if info.delta_base is not None:
+            self.resident.require(info.delta_base)
+            self.patches.allocate(_manifest(info), device)
+        else:
+            self.resident.version = None  # overwritten from here on
+            self.staging.allocate(_manifest(info), device)
+        self._push = info
+
+    def _load(self) -> None:
+        """Apply a delta into the staged copy (which then holds neither
+        version until the load ends), then load every staged tensor."""
+        base, version = self._delta_base, self._push.version if self._push else None
+        if base is not None:
+            try:
+                self.resident.require(base)
+            except ValueError as e:
+                raise LoadRefused(str(e)) from e
+            self.resident.version = None
+            apply_patches(self.patches, self.staging)
+        else:
+            self.resident.version = None
+        weights = apply_test_faults(self.staging.tensors(), self.model_config.model)
+        load_all_or_nothing(self.model, self.model_config, weights)
+        self.resident.version = version  # kept: the next delta's base
+        self.patches.release()
+
     def finish_weight_update(self) -> None:
-        self.staging.release()
+        self.patches.release()  # the staged copy stays resident
 
     def _check_macs(self, info: StagedUpdateInfo) -> None:
         """With a connection secret, every bucket's tag must match: bytes the
@@ -239,7 +281,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         if key is None:
             raise ValueError("bucket tags (macs) sent, but this connection was not made with "
                              "a secret and bucket_macs")
-        self.staging.check_macs(info.macs, key, j.info.connection_id, info.version)
+        self.incoming.check_macs(info.macs, key, j.info.connection_id, info.version)
 
     # ---------------------------------------------------------------- internals
 
@@ -247,7 +289,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         # gloo moves host memory. NCCL receives into device memory, but a full
         # staged copy there sits outside vLLM's memory budget, so by default it
         # goes through a one-bucket device buffer into pinned host memory.
-        if self.backend == "nccl" and self._joiner.info.staging == "device":
+        if self.backend == "nccl" and self._joiner.info.staging == "device" \
+                and self._delta_base is None:  # patches are small: host memory
             return self.device
         return torch.device("cpu")
 
@@ -258,10 +301,11 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             pending = None
             bounce = None
             key = self._joiner.info.mac_key
-            if self.backend == "nccl" and self.staging.buckets[0].buffer.is_cpu:
-                size = max(b.nbytes for b in self.staging.buckets)
+            incoming = self.incoming
+            if self.backend == "nccl" and incoming.buckets[0].buffer.is_cpu:
+                size = max(b.nbytes for b in incoming.buckets)
                 bounce = torch.empty(size, dtype=torch.uint8, device=self.device)
-            for b in self.staging.buckets:
+            for b in incoming.buckets:
                 target = b.buffer if bounce is None else bounce[: b.nbytes]
                 work = self.group.broadcast(target)
                 # Checksum (and tag) the previous bucket while this one arrives.
@@ -284,7 +328,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         j = self._joiner
         key = j.info.mac_key
         try:
-            for b in self.staging.buckets:
+            for b in self.incoming.buckets:
                 crc = 0
                 mac = BucketMac(key) if key is not None else None
 
@@ -305,9 +349,10 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     def _stage_http(self, info: StagedUpdateInfo) -> None:
         if info.bucket is None or info.data is None:
             raise ValueError("stage needs bucket and data")
-        if not 0 <= info.bucket < len(self.staging.buckets):
+        buckets = self.incoming.buckets
+        if not 0 <= info.bucket < len(buckets):
             raise ValueError(f"bucket {info.bucket} is not in the manifest")
-        b = self.staging.buckets[info.bucket]
+        b = buckets[info.bucket]
         if len(info.data) != b.nbytes:
             raise ValueError(f"bucket {info.bucket}: {len(info.data)} bytes, expected {b.nbytes}")
         b.buffer.copy_(torch.frombuffer(bytearray(info.data), dtype=torch.uint8))
@@ -323,10 +368,12 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         write into its buffers, so those are not pooled, and the group (now out
         of step with the trainer) is dropped: the trainer reconnects."""
         self._checked = False
+        if self._delta_base is None:
+            self.resident.version = None  # a dense push's receive overwrote it
         if self._join_receiver(timeout=0.0):
-            self.staging.release()
+            self.incoming.release()
         else:
-            self.staging.drop_pool()
+            self.incoming.drop_pool()
             self._drop_group()
 
     def _join_receiver(self, timeout: float) -> bool:

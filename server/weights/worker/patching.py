@@ -1,0 +1,96 @@
+"""A delta push, applied into the staged copy that the last push left resident.
+
+After a load the worker keeps its staged buckets (staging.py): they hold, bit
+for bit, the version just committed, in the wire dtype and the bucket layout
+that push used, and they were already in memory as the next push's pool. A
+delta push (`delta_base`) receives only patch buckets (small, in a second
+`Staging`), checks them as any push (CRC, tags), and at the commit writes
+each patch into the resident copy (`apply_patches`), which then loads through
+the usual path: every tensor, all-or-nothing (reload.py).
+
+The resident copy is right only while `ResidentCopy.version` says so: a push
+that overwrote it in part (a dense push's receive, a patch half applied, a
+load that failed) clears the version, and the next push must be dense. The
+API process keeps the same bookkeeping (`WeightStatus.delta_base`) from the
+outcomes it sees, and the trainer sends a delta only against that base.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout_sidecar.client.protocol import TensorSlot
+from rollout_sidecar.client.protocol.delta_codec import Patch, PatchForm, apply, positions, read
+from rollout_sidecar.client.protocol.wire_format import slot_bytes, torch_dtype
+from rollout_sidecar.server.weights.worker.staging import Staging
+
+
+@dataclass
+class ResidentCopy:
+    """Which version the staged buckets hold (None: unknown, a delta cannot
+    apply)."""
+
+    version: int | None = None
+
+    def require(self, base: int) -> None:
+        if self.version != base:
+            held = "no complete version" if self.version is None else f"version {self.version}"
+            raise ValueError(f"delta_base {base}: this worker's staged copy holds {held}; "
+                             "the push must be dense")
+
+
+def _chunks(resident: Staging) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """Each tensor's flat element ranges in the resident buckets: (first
+    element, typed flat view); one range unless it was split."""
+    out: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for b in resident.buckets:
+        for p in b.params:
+            dtype = torch_dtype(p.dtype)
+            view = slot_bytes(b.buffer, p).view(dtype)
+            out.setdefault(p.name, []).append(((p.chunk_offset or 0) // dtype.itemsize, view))
+    return out
+
+
+def apply_patches(patches: Staging, resident: Staging) -> int:
+    """Write every patch slot into the resident copy; returns the number of
+    elements written. A slot for a tensor the resident copy lacks, or of
+    another dtype or size, raises before anything is written."""
+    chunks = _chunks(resident)
+    todo: list[tuple[TensorSlot, torch.Tensor]] = []
+    for b in patches.buckets:
+        for p in b.params:
+            ranges = chunks.get(p.name)
+            if ranges is None or p.patch is None:
+                raise ValueError(f"{p.name}: no patch, or not in the staged copy")
+            if ranges[0][1].dtype != torch_dtype(p.dtype) or \
+                    sum(v.numel() for _, v in ranges) != p.numel:
+                raise ValueError(f"{p.name}: the patch's dtype or size differs from the "
+                                 "staged copy's")
+            todo.append((p, slot_bytes(b.buffer, p)))
+    written = 0
+    for p, raw in todo:
+        patch = read(raw, PatchForm(p.patch.form), p.numel, p.patch.changed,
+                     torch_dtype(p.dtype))
+        ranges = chunks[p.name]
+        if len(ranges) == 1:
+            apply(patch, ranges[0][1])
+        else:
+            _apply_split(patch, ranges)
+        written += p.patch.changed
+    return written
+
+
+def _apply_split(patch: Patch, ranges: list[tuple[int, torch.Tensor]]) -> None:
+    """A tensor split across buckets: each chunk takes the changes in its range."""
+    if patch.form is PatchForm.DENSE:
+        for first, view in ranges:
+            view.copy_(patch.values[first: first + view.numel()])
+        return
+    where = positions(patch)
+    values = patch.values
+    for first, view in ranges:
+        lo = int(torch.searchsorted(where, first))
+        hi = int(torch.searchsorted(where, first + view.numel()))
+        view[where[lo:hi] - first] = values[lo:hi]

@@ -1,0 +1,180 @@
+"""Run under torchrun (2 ranks, gloo): a delta push end to end without a server.
+
+Rank 0 stages a dense push of the model as the server would (the resident
+copy, in small buckets so large tensors are split); every rank keeps its shard
+copy; after optimizer steps the delta is planned from every rank's diff, the
+patches are packed by the pusher's own sender, checked against the manifest
+check, and applied into the resident copy by the server's own code. The
+oracle is torch's full state dict (FSDP2: `get_model_state_dict`; FSDP1:
+`summon_full_params`), cast to the wire dtype: every tensor must equal it bit
+for bit. Rank 0 writes a JSON report; tests/test_delta_push_units.py asserts.
+
+`--wrap`: plain (every rank holds everything, rank 0 diffs), fsdp2, fsdp1.
+`--nan`: a NaN in rank 1's shard; the pack must refuse it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BUCKET = 4096  # bytes: the embedding and the head are split in the resident copy
+WIRE = torch.bfloat16
+
+
+def build(wrap: str) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=301, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg)
+    if wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in m.model.layers:
+            fully_shard(layer)
+        fully_shard(m)
+    elif wrap == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        m = FSDP(m, device_id=torch.device("cpu"), use_orig_params=True)
+    return m
+
+
+def full_state(m: nn.Module, wrap: str) -> dict[str, torch.Tensor]:
+    """torch's own full state dict, names as the pusher's, in the wire dtype."""
+    from rollout_sidecar.trainer.gather.names import normalize_name
+
+    if wrap == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+    elif wrap == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(m, writeback=False):
+            sd = {n: p.detach().clone() for n, p in m.named_parameters()}
+    else:
+        sd = dict(m.named_parameters())
+    return {normalize_name(n): t.detach().to(WIRE) for n, t in sd.items()}
+
+
+def stage(buckets: list, sent: dict[int, bytes]):
+    from rollout_sidecar.server.weights.worker.staging import Staging
+
+    staging = Staging()
+    staging.allocate(buckets, torch.device("cpu"))
+    for b in staging.buckets:
+        b.buffer.copy_(torch.frombuffer(bytearray(sent[b.index]), dtype=torch.uint8))
+        b.received = True
+    return staging
+
+
+def main() -> None:
+    from rollout_sidecar.client.protocol import BeginRequest
+    from rollout_sidecar.client.protocol.delta_codec import bits
+    from rollout_sidecar.client.protocol.wire_format import crc32
+    from rollout_sidecar.server.weights.worker.patching import apply_patches
+    from rollout_sidecar.trainer.delta.delta_push import DeltaPush, Opening
+    from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
+    from rollout_sidecar.trainer.pack.sender import BucketSender
+    from tests.test_split_buckets import LoopbackTransport, index_of, plan_of
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--wrap", default="fsdp2")
+    ap.add_argument("--nan", action="store_true")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build(args.wrap)
+    opening = Opening(False, "bfloat16", {}, [], None, None)
+    report: dict = {"pushes": []}
+
+    # The first push: dense, from torch's own state dict, staged as the server does.
+    before = full_state(model, args.wrap)
+    resident = None
+    if rank == 0:
+        dense = plan_buckets(plan_of(before), WIRE, BUCKET)
+        wire = LoopbackTransport()
+        _, err = BucketSender().send_all(dense, iter(before.items()), wire, "dense")
+        assert err is None, err
+        resident = stage(dense, wire.sent)
+        report["split"] = sum(1 for b in dense for s in b.params if s.chunk_offset is not None)
+    delta = DeltaPush("host", dense_above=0.25)
+    delta.committed(model, opening, 1)
+    report["copy_bytes_by_rank"] = [None] * dist.get_world_size()
+    dist.all_gather_object(report["copy_bytes_by_rank"], delta.copy.nbytes)
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-6)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 301, (2, 12), generator=g)
+    for version in (2, 3):
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        if args.nan and version == 3:
+            with torch.no_grad():
+                p = dict(model.named_parameters())["model.layers.1.mlp.up_proj.weight"]
+                local = p.to_local() if hasattr(p, "to_local") else p
+                if rank == 1 or args.wrap == "plain":
+                    local.view(-1)[3] = float("nan")
+        after = full_state(model, args.wrap)
+        plan, why = delta.plan(model, Opening(False, "bfloat16", {}, [], version - 1, None),
+                               BUCKET)
+        assert plan is not None, why
+        patches = plan.diff.patches(plan.buckets, plan.plans)
+        if rank != 0:
+            for _ in patches:
+                pass
+            dist.barrier()
+            if not (args.nan and version == 3):
+                delta.committed(model, opening, version)
+            continue
+        wire = LoopbackTransport()
+        checksums, err = BucketSender().send_all(plan.buckets, patches, wire, "delta")
+        for _ in patches:
+            pass
+        dist.barrier()
+        row: dict = {"version": version, "error": err}
+        if err is None and not args.nan:
+            req = BeginRequest(version=version, buckets=manifest(plan.buckets),
+                               delta_base=version - 1)
+            from rollout_sidecar.server.weights.manifest_check import check_manifest
+
+            check_manifest(req, index_of(after), "bfloat16")
+            staged = stage(req.buckets, wire.sent)
+            staged.check(checksums)
+            row["written"] = apply_patches(staged, resident)
+            got = dict(resident.tensors())
+            row["mismatched"] = sorted(n for n, t in after.items()
+                                       if not torch.equal(bits(got[n]), bits(t)))
+            row["unchanged_before"] = sum(int((bits(before[n]) == bits(t)).sum())
+                                          for n, t in after.items())
+            row["elements"] = sum(t.numel() for t in after.values())
+            row["changed"] = sum(p.changed for p in plan.plans if p.form.value != "dense")
+            row["forms"] = sorted({p.form.value for p in plan.plans})
+            row["delta_bytes"] = sum(b.nbytes for b in plan.buckets)
+            row["dense_bytes"] = sum(t.numel() * t.element_size() for t in after.values())
+            row["crc"] = [crc32(torch.frombuffer(bytearray(wire.sent[i]), dtype=torch.uint8))
+                          for i in sorted(wire.sent)] == checksums
+        if err is None:
+            delta.committed(model, opening, version)
+        report["pushes"].append(row)
+        before = after
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # skip teardown: gloo threads may abort it (pytorch#179291)
+
+
+if __name__ == "__main__":
+    main()
