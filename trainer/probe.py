@@ -47,8 +47,23 @@ _SEED = 20261122
 # sides' logit precision. fp32 serving matches a fp32 forward to ~1e-7; bf16
 # and fp16 round differently in each engine, so only gross errors show there.
 DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.05, torch.bfloat16: 0.1}
+# Relative to the floor: a pusher's first probe measures the gap its engine
+# pair has on these weights (the floor; held to the absolute tolerance above),
+# and every later probe must stay within max(3 x floor, floor + 0.006), never
+# above the absolute. Measured in bf16 (the default model and a tied Llama):
+# floors of 0.002-0.003 nats; a healthy 12-step demo run drifted to 2.4x its
+# floor (tolerance 4.3x); a stale down_proj after one step added 3.9x, which
+# the absolute 0.1 missed. Pass `probe_tolerance` to set it by hand.
+FLOOR_FACTOR, FLOOR_MARGIN = 3.0, 0.006
 
 Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def floor_tolerance(absolute: float, floor: float | None) -> float:
+    """The tolerance of a probe after the first, given the first's gap."""
+    if floor is None:
+        return absolute
+    return min(absolute, max(FLOOR_FACTOR * floor, floor + FLOOR_MARGIN))
 
 
 def probe_token_ids(vocab_size: int, max_model_len: int) -> list[int]:
@@ -126,11 +141,13 @@ def lost_in_probe(version: int, urls: list[str], results: list, bad: list[int]
 
 def probe_push(model: nn.Module, version: int, replicas: ReplicaAdmins | None,
                serving: ServingState | None, forward: bool | Forward,
-               tolerance: float | None, device: torch.device | None) -> ProbeResult:
+               tolerance: float | None, device: torch.device | None,
+               floor: float | None = None) -> ProbeResult:
     """The pusher's probe step, on every rank: each forwards the probe
     sequence (a collective under FSDP); rank 0 (the one given `replicas` and
     `serving`, None elsewhere) has every replica compare, and every rank gets
-    the worst replica's result or raises `WeightMismatchError`."""
+    the worst replica's result or raises `WeightMismatchError`. Without a
+    `tolerance`, the default is relative to `floor` (`floor_tolerance`)."""
     ids: list[int] = agree(lambda: probe_token_ids(serving.vocab_size, serving.max_model_len)
                            if serving is not None else None)
     logprobs, logits_dtype = trainer_logprobs(model, ids, device,
@@ -139,7 +156,8 @@ def probe_push(model: nn.Module, version: int, replicas: ReplicaAdmins | None,
     def ask() -> tuple[ProbeResult, str] | None:
         if replicas is None or serving is None:
             return None
-        tol = tolerance or default_tolerance(serving.serve_dtype, logits_dtype)
+        tol = tolerance or floor_tolerance(
+            default_tolerance(serving.serve_dtype, logits_dtype), floor)
         req = ProbeRequest(version=version, token_ids=ids, trainer_logprobs=logprobs,
                            tolerance=tol)
         results = replicas.each(lambda a, i: a.probe(req, serving.commit_timeout_s))
@@ -156,5 +174,7 @@ def probe_push(model: nn.Module, version: int, replicas: ReplicaAdmins | None,
             f"version {result.version} is served, but its logprobs on {where} differ from "
             f"the trainer's forward pass: mean |dlogp| {result.mean_abs_dlogp:.3g} (max "
             f"{result.max_abs_dlogp:.3g}) over {result.tokens} probe tokens > tolerance "
-            f"{result.tolerance:.3g}; the server marked it suspect")
+            f"{result.tolerance:.3g}" + (f" (3 x this pusher's first probe, {floor:.3g}, or "
+                                         "that + 0.006)" if floor is not None and tolerance
+                                         is None else "") + "; the server marked it suspect")
     return result

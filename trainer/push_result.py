@@ -32,8 +32,9 @@ class ReplicaOutcome:
 
 @dataclass
 class PushResult:
-    """Timings (seconds): `begin_s`, `gather_send_s`, `probe_s`, `total_s` on
-    the trainer; `server_check_s` (the slowest replica's prepare: receive
+    """Timings (seconds): `begin_s` (a delta's diff included), `diff_s` (a
+    delta: every rank's diff and the plan), `gather_send_s`, `probe_s`,
+    `total_s` on the trainer; `server_check_s` (the slowest replica's prepare: receive
     joined, CRCs checked) and `server_<key>` for each key of the commit's
     timings (`server_commit_s`: drain + load + publish, ...), the slowest
     replica's each."""

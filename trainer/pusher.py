@@ -89,6 +89,7 @@ class WeightPusher:
         self.config = PushConfig.build(config, options)
         self.rank = rank()
         self._pushes = 0
+        self._probe_floor: float | None = None  # the first probe's gap (probe.py)
         self._sender = BucketSender()
         self._serving = ServingState()
         self._delta = DeltaPush(self.config.delta_copy, self.config.delta_dense_above) \
@@ -145,8 +146,10 @@ class WeightPusher:
 
         opening: Opening = agree(lambda: self._open(model, version) if self.rank == 0
                                  else None)
+        t_opened = time.perf_counter()
         delta, why_dense = self._delta.plan(model, opening, self.config.bucket_bytes) \
             if self._delta is not None else (None, None)
+        diff_s = time.perf_counter() - t_opened  # every rank's diff and the counts
         begun: _Begun = agree(lambda: self._begin(model, version, opening, delta)
                               if self.rank == 0 else None)
         t_begun = time.perf_counter()
@@ -162,6 +165,7 @@ class WeightPusher:
         if self._delta is not None and opening.keep_copy:  # the next delta's base
             self._delta.committed(model, opening, result.version)
         if delta is not None:
+            result.timings["diff_s"] = diff_s
             result.encoding, result.delta_base = "delta", delta.base
             result.changed = sum(p.changed for p in delta.plans
                                  if p.form.value != "dense")
@@ -172,10 +176,12 @@ class WeightPusher:
             probe = self.config.probe if self._pushes % self.config.probe_every == 0 else False
         self._pushes += 1
         if probe:
+            tolerance = probe_tolerance or self.config.probe_tolerance
             result.probe = probe_push(model, result.version, self.replicas,
                                       self._serving if self.rank == 0 else None, probe,
-                                      probe_tolerance or self.config.probe_tolerance,
-                                      self.config.device)
+                                      tolerance, self.config.device, self._probe_floor)
+            if tolerance is None and self._probe_floor is None:  # the same on every rank
+                self._probe_floor = result.probe.mean_abs_dlogp
         result.timings.update(begin_s=t_begun - t0, gather_send_s=t_sent - t_begun,
                               probe_s=time.perf_counter() - t_committed,
                               total_s=time.perf_counter() - t0)

@@ -41,7 +41,8 @@ def test_delta_and_dense_replicas_serve_bit_identical_answers(pair, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), str(WORKER), "--delta-url", a.url,
-         "--dense-url", b.url, "--dense-tokens", f"{b.admin_token},{b.api_token}", "--model", str(a.model_path), "--out", str(out)],
+         "--dense-url", b.url, "--dense-tokens", f"{b.admin_token},{b.api_token}",
+         "--model", str(a.model_path), "--out", str(out)],
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                      [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
                  ROLLOUT_SIDECAR_ADMIN_TOKEN=a.admin_token,

@@ -10,6 +10,10 @@ JSON report; the pytest side asserts on it.
 --scenario push (default), nan (a parameter set to NaN before the push), or
 bf16: first push the checkpoint's own weights unchanged (a bf16 server must
 then serve bit-identical logprobs), then step and push as usual.
+
+In the push scenario each wrapper then pushes once more after a sparse update
+(2% of every shard's elements moved): that push goes as a delta (a run named
+`<wrapper>+delta`, with its `encoding`), and is held to the same fp32 oracle.
 """
 
 from __future__ import annotations
@@ -159,6 +163,25 @@ def compare(model_path: str, before: dict | None, after: dict, oracle: dict,
     return out
 
 
+def sparse_update(model: torch.nn.Module, rank: int) -> None:
+    """Move 2% of the elements of every rank's own shard: an update a delta
+    push carries as patches even in fp32 serving (where an optimizer step
+    changes nearly every element's bits)."""
+    from rollout_sidecar.trainer.delta.shard_pieces import shard_pieces
+
+    # As in training, a backward first: FSDP1 keeps the root gathered after
+    # the probe's forward until one (a delta then goes dense: shard_pieces.py).
+    model(input_ids=torch.tensor([PROMPT])).logits.sum().mul(0).backward()
+    pieces = shard_pieces(model, rank) or []
+    with torch.no_grad():
+        for i, piece in enumerate(pieces):
+            if not piece.data.is_floating_point() or piece.data.numel() == 0:
+                continue
+            g = torch.Generator().manual_seed(1000 * rank + i)
+            hit = torch.rand(piece.data.numel(), generator=g) < 0.02
+            piece.data[hit] += 0.05 * torch.randn(int(hit.sum()), generator=g)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
@@ -192,11 +215,13 @@ def main() -> None:
         identity = None
         if args.scenario == "bf16":
             version += 1
-            pusher.push(model, version=version, probe=False)  # unchanged weights
+            # Unchanged weights; its probe measures the floor later probes are held to.
+            floor = pusher.push(model, version=version).probe
             if client:
                 same = served(client, version, scored)
                 identity = dict(version=same["score_version"],
-                                max_abs_diff=gap_max(same["scored"], before["scored"]))
+                                max_abs_diff=gap_max(same["scored"], before["scored"]),
+                                floor=floor.mean_abs_dlogp)
         step(model, info["vocab_size"])
         version += 1
         if args.scenario == "nan":
@@ -205,25 +230,33 @@ def main() -> None:
                 p.to_local().view(-1)[0] = float("nan")
         oracle = full_state_dict(model, wrapper)
         run: dict = {"wrapper": wrapper, "version_pushed": version, "identity": identity}
-        try:
-            res = pusher.push(model, version=version)
-            run.update(error=None, probe=res.probe.model_dump() if res.probe else None,
-                       timings=res.timings)
-        except WeightPushError as e:
-            run.update(error=str(e), error_type=type(e).__name__)
-        # What every rank raised: a failed push must raise the same on all of them.
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, run.get("error_type"))
-        run["error_types_by_rank"] = errors
-        if rank == 0:
-            status = client.info()
-            run["version_now"] = status.weight_version
-            if run["error"] is None:
-                after = served(client, version, scored)
-                run.update(compare(args.model, before if i == 0 else None, after, oracle,
-                                   scored, serve_dtype))
-            report["runs"].append(run)
-        dist.barrier()
+        rounds = [wrapper, wrapper + "+delta"] if args.scenario == "push" else [wrapper]
+        for name in rounds:
+            if name != wrapper:
+                sparse_update(model, rank)
+                version += 1
+                oracle = full_state_dict(model, wrapper)
+                run = {"wrapper": name, "version_pushed": version, "identity": None}
+            try:
+                res = pusher.push(model, version=version)
+                run.update(error=None, probe=res.probe.model_dump() if res.probe else None,
+                           timings=res.timings, encoding=res.encoding,
+                           delta_reason=res.delta_reason, nbytes=res.nbytes)
+            except WeightPushError as e:
+                run.update(error=str(e), error_type=type(e).__name__)
+            # What every rank raised: a failed push must raise the same on all of them.
+            errors: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, run.get("error_type"))
+            run["error_types_by_rank"] = errors
+            if rank == 0:
+                status = client.info()
+                run["version_now"] = status.weight_version
+                if run["error"] is None:
+                    after = served(client, version, scored)
+                    run.update(compare(args.model, before if i == 0 and name == wrapper
+                                       else None, after, oracle, scored, serve_dtype))
+                report["runs"].append(run)
+            dist.barrier()
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

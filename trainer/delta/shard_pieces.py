@@ -51,7 +51,7 @@ def shard_pieces(model: nn.Module, rank: int, buffers: Sequence[str] = ()
     """This rank's pieces, in the same order on every rank (tensor by
     tensor, in `param_plan` order); None where a layout is not covered."""
     model = _unwrap(model)
-    pieces: list[Piece] | None = _fsdp1(model) if _is_fsdp1(model) else _by_param(model, rank)
+    pieces: list[Piece] | None = _fsdp1(model, rank) if _is_fsdp1(model) else _by_param(model, rank)
     if pieces is None:
         return None
     if rank == 0:
@@ -93,15 +93,25 @@ def _dim0_start(p: torch.Tensor) -> int | None:
     return offset[0] * math.prod(p.shape[1:])
 
 
-def _fsdp1(model: nn.Module) -> list[Piece] | None:
+def _fsdp1(model: nn.Module, rank: int) -> list[Piece] | None:
     out = []
     for unit in _fsdp1_units(model):
-        flat = unit._handle.flat_param
+        handle = unit._handle
+        flat = handle.flat_param
         infos = getattr(flat, "_shard_param_infos", None)
         if infos is None or len(infos) != len(flat._fqns):
             return None
         prefix = _unit_prefix(model, unit)
         local = flat.detach().reshape(-1)
+        if not handle.uses_sharded_strategy:  # NO_SHARD: every rank holds it all
+            if rank != 0:
+                continue
+        elif not handle.needs_unshard():
+            # FSDP1 keeps a unit's gathered parameter after a forward that no
+            # backward follows (the root's, after the probe), and its next
+            # forward reads that copy: the shard and what the model computes
+            # with may differ until a backward frees it. Dense this once.
+            return None
         for fqn, info in zip(flat._fqns, infos, strict=True):
             if not info.in_shard:
                 continue
