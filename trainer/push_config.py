@@ -60,10 +60,11 @@ class PushConfig:
 
     probe_tolerance: float | None = None
     """Largest acceptable mean |dlogp| of the probe. Default: by precision for
-    the first probe (fp32 1e-3, fp16 0.05, bf16 0.1), then relative to that
-    first probe's gap, the floor of this engine pair on these weights:
-    max(3 x floor, floor + 0.006), never above the first (probe.py), so a
-    stale tensor or a wrong patch shows in bf16 serving too."""
+    the first probe (fp32 1e-3, fp16 0.05, bf16 0.1), then relative to the
+    last passed probe's gap, the floor of this engine pair on weights a step
+    away: max(3 x floor, floor + 0.008), never above the first (probe.py), so
+    an error that comes with a push (a stale tensor, a wrong patch) shows in
+    bf16 serving too."""
 
     probe_every: int = 1
     """Probe every N-th push (the first always), to amortise the probe's

@@ -89,7 +89,8 @@ class WeightPusher:
         self.config = PushConfig.build(config, options)
         self.rank = rank()
         self._pushes = 0
-        self._probe_floor: float | None = None  # the first probe's gap (probe.py)
+        # The last push's probe gap, if it passed: the next probe's floor (probe.py).
+        self._probe_floor: float | None = None
         self._sender = BucketSender()
         self._serving = ServingState()
         self._delta = DeltaPush(self.config.delta_copy, self.config.delta_dense_above) \
@@ -175,12 +176,13 @@ class WeightPusher:
         if probe is None:  # the pusher's setting, every probe_every-th push
             probe = self.config.probe if self._pushes % self.config.probe_every == 0 else False
         self._pushes += 1
+        floor, self._probe_floor = self._probe_floor, None  # only from the push before
         if probe:
             tolerance = probe_tolerance or self.config.probe_tolerance
             result.probe = probe_push(model, result.version, self.replicas,
                                       self._serving if self.rank == 0 else None, probe,
-                                      tolerance, self.config.device, self._probe_floor)
-            if tolerance is None and self._probe_floor is None:  # the same on every rank
+                                      tolerance, self.config.device, floor)
+            if tolerance is None:  # the next push's floor; the same on every rank
                 self._probe_floor = result.probe.mean_abs_dlogp
         result.timings.update(begin_s=t_begun - t0, gather_send_s=t_sent - t_begun,
                               probe_s=time.perf_counter() - t_committed,

@@ -125,7 +125,7 @@ def test_bf16_push_is_exact_and_stays_at_the_engine_floor(bf16_family, tmp_path)
     floor = r["identity"].pop("floor")
     assert r["identity"] == {"version": r["version_pushed"] - 1, "max_abs_diff": 0.0}, r
     # The probe after the step is held to the floor that first push measured.
-    assert r["probe"]["tolerance"] == pytest.approx(min(0.1, max(3 * floor, floor + 0.006)))
+    assert r["probe"]["tolerance"] == pytest.approx(min(0.1, max(3 * floor, floor + 0.008)))
     assert r["error"] is None, r
     assert r["version_after"] == r["version_pushed"]
     assert r["probe"]["passed"], r
@@ -142,14 +142,14 @@ def test_bf16_probe_catches_a_stale_parameter_against_its_floor(bf16_family, tmp
     # In bf16 the absolute tolerance (0.1 nats) is coarser than a stale tensor;
     # the floor the identity push measured is not.
     fs = bf16_family
-    fs.fault_file.write_text("stale:model.layers.1.mlp.down_proj.weight")
+    fs.fault_file.write_text("stale:model.layers.0.mlp.down_proj.weight")
     try:
         (r,) = run_worker(fs, tmp_path, scenario="bf16")
     finally:
         fs.fault_file.write_text("")
     print(f"BF16-STALE floor {r['identity']['floor']:.4f} error {r['error']}")
     assert r["error_types_by_rank"] == ["WeightMismatchError"] * 2, r
-    assert "first probe" in r["error"]
+    assert "last passed probe" in r["error"]
     probe = admin(fs, "/weights/status")["last_probe"]
     assert not probe["passed"] and probe["mean_abs_dlogp"] < 0.1  # missed by 0.1
 
