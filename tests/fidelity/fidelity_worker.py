@@ -11,7 +11,7 @@ JSON report; the pytest side asserts on it.
 bf16: first push the checkpoint's own weights unchanged (a bf16 server must
 then serve bit-identical logprobs), then step and push as usual.
 
-In the push scenario each wrapper then pushes once more after a sparse update
+--scenario delta: as push, then each wrapper pushes once more after a sparse update
 (2% of every shard's elements moved): that push goes as a delta (a run named
 `<wrapper>+delta`, with its `encoding`), and is held to the same fp32 oracle.
 """
@@ -230,7 +230,7 @@ def main() -> None:
                 p.to_local().view(-1)[0] = float("nan")
         oracle = full_state_dict(model, wrapper)
         run: dict = {"wrapper": wrapper, "version_pushed": version, "identity": identity}
-        rounds = [wrapper, wrapper + "+delta"] if args.scenario == "push" else [wrapper]
+        rounds = [wrapper, wrapper + "+delta"] if args.scenario == "delta" else [wrapper]
         for name in rounds:
             if name != wrapper:
                 sparse_update(model, rank)

@@ -98,7 +98,7 @@ def admin(fs: FamilyServer, path: str) -> dict:
 
 def test_served_equals_trained_in_fp32(fp32_family, tmp_path):
     wrappers = "fsdp2,fsdp1" if fp32_family.family in FSDP1_FAMILIES else "fsdp2"
-    runs = run_worker(fp32_family, tmp_path, wrappers)
+    runs = run_worker(fp32_family, tmp_path, wrappers, scenario="delta")
     # Each wrapper's step, then a sparse update pushed as a delta on top of it.
     assert [r["wrapper"] for r in runs] == [n for w in wrappers.split(",")
                                             for n in (w, w + "+delta")]
