@@ -51,7 +51,7 @@ class PushResult:
     """"delta": only changes travelled (`nbytes` is what went on the wire)."""
     delta_base: int | None = None  # the version a delta was applied to
     delta_reason: str | None = None  # why a push with delta on went dense
-    changed: int | None = None  # a delta: elements that changed
+    changed: int | None = None  # a delta: changed elements sent as patches (not dense ones)
     elements: int | None = None  # a delta: elements of the whole model
 
     @property

@@ -24,6 +24,7 @@ from rollout_sidecar.client.protocol.fields import (
     Int,
     Port,
     ReplyModel,
+    Seconds,
     StrictModel,
     not_null,
 )
@@ -135,8 +136,10 @@ class ConnectRequest(StrictModel):
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: Float = Field(300.0, gt=0, le=3600, description="How long to wait for the "
                              "trainer to join the group (capped by the server).")
-    op_timeout_s: Float | None = Field(
-        None, gt=0, le=3600, description="Once the group formed: how long one piece of a "
+    # The bounds inside the optional type, so the OpenAPI schema carries them
+    # (on the Field they vanish from the `anyOf`; schemathesis sent 0.0).
+    op_timeout_s: Seconds | None = Field(
+        None, description="Once the group formed: how long one piece of a "
         "transfer may not move before the transfer fails (the trainer's stall bound). "
         "Default: timeout_s.")
     takeover: Bool = Field(False, description="Replace another trainer's connection even "
