@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 import torch.distributed as dist
 
-from tests.fidelity.fidelity_worker import build
+from tests.fidelity.fidelity_worker import build, exit_without_teardown
 
 SCORED = [list(range(40, 100)), list(range(3, 250, 4))]
 
@@ -79,7 +78,7 @@ def main() -> None:
             json.dump(report, f)
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)  # skip teardown: gloo threads may abort it (pytorch#179291)
+    exit_without_teardown()  # gloo threads may abort a teardown (pytorch#179291)
 
 
 if __name__ == "__main__":
