@@ -82,6 +82,15 @@ class ServerSettings(BaseSettings):
         "is false: a server starts in seconds (minutes of compilation on CPU); set false on "
         "a GPU for faster decoding.")
     seed: int = Field(0, description="Engine seed.")
+    enable_lora: bool = Field(
+        False, description="Accept LoRA adapter pushes (`WeightPusher.push(peft_model, v)` "
+        "then sends the adapter, not the merged model): vLLM's LoRA layers wrap the model, "
+        "which costs some decode speed, so it is off unless asked for.")
+    max_lora_rank: int = Field(64, ge=1, le=512, description="The largest adapter rank "
+                               "accepted (vLLM sizes its LoRA buffers for it).")
+    lora_keep: int = Field(
+        3, ge=1, le=64, description="Adapter versions kept loaded: requests admitted under "
+        "an older version finish on its adapter while newer ones serve the newest.")
 
     api_token: SecretStr | None = Field(
         None, description="Bearer token for /generate and /info. Unset: open."

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from rollout_sidecar.server.launcher import free_port, launch_server, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
-__all__ = ["REPO", "Server", "free_port", "start_server", "stop_server"]
+__all__ = ["REPO", "Server", "free_port", "run_torchrun", "start_server", "stop_server"]
 
 
 @dataclass
@@ -53,6 +54,21 @@ def start_server(tmp: Path, name: str, extra_env: dict | None = None,
         model_path = Path(s.info()["model"])
     return Server(s.url, s.api_token, s.admin_token, model_path, s.proc, s.log, s.port,
                   s.data_plane_port)
+
+
+def run_torchrun(worker: Path, args: list[str], srv: Server, nproc: int = 2) -> None:
+    """`worker` under torchrun (gloo ranks on this machine), with `srv`'s
+    tokens in the environment and the repo importable; fails the test with
+    the ranks' output if any rank fails."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+         "--master-port", str(free_port()), str(worker), *args],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                     [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                 ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
+                 ROLLOUT_SIDECAR_API_TOKEN=srv.api_token),
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
 def stop_server(server: Server) -> None:

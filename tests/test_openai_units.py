@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rollout_sidecar.server.engine.adapter_table import AdapterTable
 from rollout_sidecar.server.engine.lifecycle import GenerationEngine
 from rollout_sidecar.server.engine.request_tracking import RequestTracker
 from rollout_sidecar.server.engine.version_gate import VersionGate
@@ -69,6 +70,8 @@ class FakeEngine:
         self.llm = FakeLLM()
         self.metrics = SimpleNamespace(prompt_tokens=Counter(), generated_tokens=Counter())
         self.tracker = RequestTracker(self.gate)
+        self.adapters = AdapterTable(SimpleNamespace(enable_lora=False, max_lora_rank=8,
+                                                     lora_keep=1))
 
 
 def counts(gate: VersionGate) -> tuple[int, int]:

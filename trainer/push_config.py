@@ -134,6 +134,13 @@ class PushConfig:
     patch over half the dense bytes); `PushResult.encoding` says which went,
     `delta_reason` why not. False: always dense, and no copy is kept."""
 
+    adapter: DeltaMode = "auto"
+    """A PEFT LoRA model: send its adapter, not the merged model, where every
+    replica was started with --enable-lora and can apply it (trainer/adapter/).
+    "auto" falls back to merged (`PushResult.adapter_reason` says why), True
+    raises instead, False always merges. The first adapter push to a replica
+    carries the base weights too; later ones the adapter alone."""
+
     delta_copy: CopyLocation = "host"
     """Where each rank keeps its shard copy for `delta`: host memory (1/N of
     the model in the wire dtype) or the shard's own device (faster diffs on a
@@ -150,6 +157,7 @@ class PushConfig:
         _one_of("on_server_restart", self.on_server_restart, OnServerRestart)
         _one_of("delta", self.delta, DeltaMode)
         _one_of("delta_copy", self.delta_copy, CopyLocation)
+        _one_of("adapter", self.adapter, DeltaMode)
         if not 0 < self.delta_dense_above <= 1:
             raise ValueError(f"delta_dense_above must be in (0, 1], not "
                              f"{self.delta_dense_above!r}")

@@ -47,8 +47,11 @@ class PushResult:
     commit_policy: str | None = None
     server_restarted: bool = False  # a server had restarted since the previous push
     replicas: list[ReplicaOutcome] = field(default_factory=list)
-    encoding: Literal["dense", "delta"] = "dense"
-    """"delta": only changes travelled (`nbytes` is what went on the wire)."""
+    encoding: Literal["dense", "delta", "adapter", "adapter+base"] = "dense"
+    """"delta": only changes travelled (`nbytes` is what went on the wire);
+    "adapter": a LoRA adapter alone; "adapter+base": the adapter with the
+    base weights it applies to (a replica's first adapter push)."""
+    adapter_reason: str | None = None  # why a PEFT model went merged
     delta_base: int | None = None  # the version a delta was applied to
     delta_reason: str | None = None  # why a push with delta on went dense
     changed: int | None = None  # a delta: changed elements sent as patches (not dense ones)

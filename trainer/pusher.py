@@ -29,8 +29,10 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from rollout_sidecar.client.protocol import BucketManifest, CommitPolicy
+from rollout_sidecar.client.protocol import AdapterSpec, BucketManifest, CommitPolicy
 from rollout_sidecar.client.protocol.wire_format import dtype_name
+from rollout_sidecar.trainer.adapter.adapter_push import AdapterPush
+from rollout_sidecar.trainer.adapter.lora_adapter import LoraAdapter
 from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.control.serving_state import ServingState
@@ -95,6 +97,7 @@ class WeightPusher:
         self._serving = ServingState()
         self._delta = DeltaPush(self.config.delta_copy, self.config.delta_dense_above) \
             if self.config.delta is not False else None
+        self._adapter = AdapterPush(self.config.adapter)
         # Rank 0 alone talks to the servers: the others hold no connection.
         self.replicas: ReplicaAdmins | None = None
         self.transport: Transport | None = None
@@ -122,7 +125,8 @@ class WeightPusher:
 
     def push(self, model: nn.Module, version: int, *, probe: bool | Forward | None = None,
              probe_tolerance: float | None = None, verify: bool | Forward | None = None,
-             verify_tolerance: float | None = None) -> PushResult:
+             verify_tolerance: float | None = None, adapter: bool | None = None
+             ) -> PushResult:
         """Gather, send and commit `model` as `version`; call it on every rank.
 
         With `probe` (default: the pusher's), the commit is followed by the
@@ -132,7 +136,8 @@ class WeightPusher:
         effects, or when pushes are so frequent that one extra forward per push
         matters (see docs/proofs.md, "The probe"). `verify=` and
         `verify_tolerance=` are deprecated names of `probe=` and
-        `probe_tolerance=`.
+        `probe_tolerance=`. `adapter` (default: the pusher's `adapter`
+        setting) sends a PEFT LoRA model's adapter instead of merged weights.
         """
         if verify is not None or verify_tolerance is not None:
             probe, probe_tolerance = probe_arguments(probe, probe_tolerance, verify,
@@ -145,8 +150,8 @@ class WeightPusher:
                 f"{bad[:8] if bad else '(on another rank)'}; materialise them "
                 "(e.g. to_empty() + init/load) before pushing")
 
-        opening: Opening = agree(lambda: self._open(model, version) if self.rank == 0
-                                 else None)
+        opening: Opening = agree(lambda: self._open(model, version, adapter)
+                                 if self.rank == 0 else None)
         t_opened = time.perf_counter()
         delta, why_dense = self._delta.plan(model, opening, self.config.bucket_bytes) \
             if self._delta is not None else (None, None)
@@ -157,7 +162,8 @@ class WeightPusher:
         if delta is not None:
             checksums, err = self._send_delta(delta, begun)
         else:
-            checksums, err = self._gather_and_send(model, begun, opening.buffers)
+            checksums, err = self._gather_and_send(model, begun, opening.buffers,
+                                                   opening.adapter)
         t_sent = time.perf_counter()
         result: PushResult = agree(lambda: self._commit(begun, checksums, err,
                                                         opening.restarted)
@@ -165,6 +171,11 @@ class WeightPusher:
         t_committed = time.perf_counter()
         if self._delta is not None and opening.keep_copy:  # the next delta's base
             self._delta.committed(model, opening, result.version)
+        self._adapter.committed(opening.adapter, result.version)
+        result.adapter_reason = opening.adapter_reason
+        if opening.adapter is not None:
+            result.encoding = "adapter" if opening.adapter.base_version is not None \
+                else "adapter+base"
         if delta is not None:
             result.timings["diff_s"] = diff_s
             result.encoding, result.delta_base = "delta", delta.base
@@ -189,8 +200,9 @@ class WeightPusher:
                               total_s=time.perf_counter() - t0)
         return result
 
-    def _open(self, model: nn.Module, version: int) -> Opening:
-        """Rank 0: check the replicas, connect, and see whether a delta may go."""
+    def _open(self, model: nn.Module, version: int, adapter: bool | None) -> Opening:
+        """Rank 0: check the replicas, connect, and see whether an adapter or
+        a delta may go."""
         assert self.replicas is not None and self.transport is not None
         merge = PeftMerge(model)  # a PEFT model sends merged weights (or is refused here)
         serving = self._serving
@@ -201,6 +213,8 @@ class WeightPusher:
                          if merge.rename(n) in serving.index.tensors)
         self.transport.ensure_connected(serving.statuses)
         self.transport.start_push(version)  # gloo/NCCL: this push's bucket tags
+        spec, adapter_reason = self._adapter.choose(model, serving.statuses,
+                                                    self.replicas.urls, adapter)
         converted = merge.active or CheckpointLayout(merge.base_model).active
         if converted:  # what travels is computed from several tensors: no shard to diff
             base, why = None, "a PEFT model (pushed merged) or a checkpoint conversion: dense"
@@ -209,7 +223,8 @@ class WeightPusher:
                                       self._delta.copy.version if self._delta else None)
         return Opening(restarted, dtype_name(serving.serve_dtype),
                        {n: t.dtype for n, t in serving.index.tensors.items()}, buffers,
-                       base, why, keep_copy=not converted)
+                       base, why, keep_copy=not converted, adapter=spec,
+                       adapter_reason=adapter_reason)
 
     def _begin(self, model: nn.Module, version: int, opening: Opening,
                delta: DeltaPlan | None) -> _Begun:
@@ -217,6 +232,12 @@ class WeightPusher:
         serving = self._serving
         if delta is not None:
             buckets = delta.buckets
+        elif opening.adapter is not None:
+            with_base = opening.adapter.base_version is None
+            plan = LoraAdapter(model).plan(
+                param_plan(model, opening.buffers if with_base else ()), with_base)
+            buckets = plan_buckets(plan, serving.serve_dtype, self.config.bucket_bytes,
+                                   serving.wire_dtypes, self.config.split_tensors)
         else:
             merge = PeftMerge(model)
             plan = CheckpointLayout(merge.base_model).plan(
@@ -225,7 +246,9 @@ class WeightPusher:
                                    serving.wire_dtypes, self.config.split_tensors)
         push_ids = self._two_phase.begin(version, manifest(buckets), self.config.commit_policy,
                                          serving.commit_timeout_s,
-                                         delta.base if delta is not None else None)
+                                         delta.base if delta is not None else None,
+                                         opening.adapter.model_dump(exclude_none=True)
+                                         if opening.adapter is not None else None)
         return _Begun(buckets, push_ids)
 
     def _send_delta(self, delta: DeltaPlan, begun: _Begun) -> tuple[list[int], Error | None]:
@@ -245,8 +268,8 @@ class WeightPusher:
             pass
         return out
 
-    def _gather_and_send(self, model: nn.Module, begun: _Begun, buffers: list[str]
-                         ) -> tuple[list[int], Error | None]:
+    def _gather_and_send(self, model: nn.Module, begun: _Begun, buffers: list[str],
+                         spec: AdapterSpec | None = None) -> tuple[list[int], Error | None]:
         """Every rank gathers every tensor; rank 0 packs and sends them. An
         error is returned, not raised, so rank 0 keeps taking part in every
         gather; the commit step then agrees on it."""
@@ -255,15 +278,23 @@ class WeightPusher:
         # of a gather (a block, or a whole gather of at most a quarter bucket).
         c = self.config
         block_bytes = broadcast(c.bucket_bytes // 2 if c.row_blocks else None)
+        lora = LoraAdapter(model) if spec is not None else None
+        with_base = spec is not None and spec.base_version is None
+        # An adapter alone: only its factors are gathered (the same on every rank).
+        only = lora.is_factor if lora is not None and not with_base else None
         if self.rank != 0:
-            for _ in iter_full_tensors(model, c.device, (), block_bytes):  # every gather
+            for _ in iter_full_tensors(model, c.device, (), block_bytes, only):  # every gather
                 pass
             return [], None
         assert self.transport is not None
-        gathers = iter_full_tensors(model, c.device, buffers, block_bytes)
+        gathers = iter_full_tensors(model, c.device, buffers if spec is None or with_base
+                                    else (), block_bytes, only)
         try:
-            merge = PeftMerge(model)
-            tensors = CheckpointLayout(merge.base_model).convert(merge.convert(gathers))
+            if lora is not None:
+                tensors = lora.convert(gathers, with_base)
+            else:
+                merge = PeftMerge(model)
+                tensors = CheckpointLayout(merge.base_model).convert(merge.convert(gathers))
             checksums, err = self._sender.send_all(begun.buckets, tensors, self.transport,
                                                    begun.push_ids)
         except Exception as e:  # e.g. a layout conversion; agreed on at the commit

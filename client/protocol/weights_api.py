@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from rollout_sidecar.client.protocol.adapter_api import AdapterSpec, LoraStatus
 from rollout_sidecar.client.protocol.fields import (
     Bool,
     CommitPolicy,
@@ -218,6 +219,11 @@ class BeginRequest(StrictModel):
         description="A delta push: every slot carries a `patch` against this version, which "
         "must be the one this replica's staged copy holds (`WeightStatus.delta_base`). "
         "Absent: a dense push, every slot the whole tensor.")
+    adapter: AdapterSpec | None = Field(
+        None, json_schema_extra=not_null,
+        description="A LoRA adapter push (adapter_api.py): the slots are adapter factors, "
+        "with every checkpoint tensor too when `adapter.base_version` is absent. Needs a "
+        "server started with --enable-lora (`WeightStatus.lora`).")
 
 
 class BeginResponse(BaseModel):
@@ -341,3 +347,6 @@ class WeightStatus(ReplyModel):
         None, description="The version this replica's staged copy holds, bit for bit: the "
         "base a delta push must name. Null after a restart or a failed load, and while a "
         "dense push is under way: the next push must be dense.")
+    lora: LoraStatus | None = Field(
+        None, description="LoRA adapter pushes: null unless the server was started with "
+        "--enable-lora.")

@@ -17,6 +17,7 @@ from typing import Any
 
 from rollout_sidecar.client.protocol import GenerateRequest, GenerateResponse
 from rollout_sidecar.server.config import ServerSettings
+from rollout_sidecar.server.engine.adapter_table import AdapterTable, lora_engine_args
 from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track
 from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.generate.service import GenerateService
@@ -49,6 +50,8 @@ class GenerationEngine:
         self.boot_id = boot_id
         self.index = CheckpointIndex.from_checkpoint(model_path)
         self.gate = VersionGate(0)
+        # Which LoRA adapter each version serves with (None: the full weights alone).
+        self.adapters = AdapterTable(settings, boot_id)
         self.tracker = RequestTracker(self.gate)
         self.generator = GenerateService(self)
         self.llm: Any = None
@@ -79,6 +82,7 @@ class GenerationEngine:
             # vLLM computes the lm_head in head_dtype (casting the weight on the
             # fly, so a push needs nothing extra).
             hf_overrides={"head_dtype": "float32"} if s.lm_head_fp32 else {},
+            **lora_engine_args(s),
         )
         self.llm = AsyncLLM.from_engine_args(
             args, stat_loggers=[self.metrics.stat_logger_factory()]

@@ -56,6 +56,7 @@ class Lease:
         self.gate = gate
         self.version = version
         self._submitting = self._in_flight = True
+        gate.leases[version] = gate.leases.get(version, 0) + 1
 
     def submitted(self) -> None:
         if self._submitting:
@@ -67,6 +68,11 @@ class Lease:
         if self._in_flight:
             self._in_flight = False
             self.gate._count("in_flight", -1)
+            left = self.gate.leases[self.version] - 1
+            if left:
+                self.gate.leases[self.version] = left
+            else:
+                del self.gate.leases[self.version]
 
 
 class VersionGate:
@@ -86,6 +92,9 @@ class VersionGate:
         self.push_pending: Callable[[], bool] | None = None
         self._cond = asyncio.Condition()
         self._counts = {"submitting": 0, "in_flight": 0}
+        # version -> requests admitted under it and not finished (a LoRA
+        # adapter stays loaded while one of its requests runs).
+        self.leases: dict[int, int] = {}
         self._idle = {k: asyncio.Event() for k in self._counts}
         for e in self._idle.values():
             e.set()
@@ -151,9 +160,12 @@ class VersionGate:
                 pass
 
     @contextlib.asynccontextmanager
-    async def commit_window(self, policy: str, drain_s: float) -> AsyncIterator[str]:
+    async def commit_window(self, policy: str, drain_s: float, drain: bool = True
+                            ) -> AsyncIterator[str]:
         """Shut admissions, drain, and yield the pause mode to use: `policy`,
-        or `abort` if a `wait` drain ran past `drain_s`."""
+        or `abort` if a `wait` drain ran past `drain_s`. Without `drain`
+        (an adapter commit: requests in flight keep their own adapter) only
+        submissions are waited for."""
         async with self._cond:
             self._committing = True
         t0 = time.monotonic()
@@ -161,7 +173,7 @@ class VersionGate:
             mode = policy
             # Submissions take milliseconds; the bound only guards a dead engine.
             await _wait(self._idle["submitting"], drain_s)
-            if policy == "wait" and not await _wait(self._idle["in_flight"], drain_s):
+            if policy == "wait" and drain and not await _wait(self._idle["in_flight"], drain_s):
                 mode = "abort"
             yield mode
         finally:

@@ -46,7 +46,8 @@ class GenerateService:
             try:  # all prompts enter the engine at once, so it batches them
                 request_id = uuid.uuid4().hex
                 for i, ids in enumerate(prompt_ids):
-                    tracks.append(Track(await self._submit(ids, params[i], f"{request_id}-{i}")))
+                    tracks.append(Track(await self._submit(ids, params[i], f"{request_id}-{i}",
+                                                           lease.version)))
             finally:
                 lease.submitted()
             tracker.watch_all(tracks)
@@ -62,13 +63,14 @@ class GenerateService:
         return build_response(req, lease.version, prompt_ids, outputs, tracks, e.gate,
                               e.metrics, e.boot_id)
 
-    async def _submit(self, ids: list[int], params: Any, request_id: str) -> Any:
+    async def _submit(self, ids: list[int], params: Any, request_id: str, version: int) -> Any:
         from vllm.exceptions import VLLMError
         from vllm.inputs import TokensPrompt
 
-        try:
+        try:  # with the LoRA adapter of the version it was admitted under, if any
             return await self.engine.llm.add_request(
-                request_id, TokensPrompt(prompt_token_ids=ids), params)
+                request_id, TokensPrompt(prompt_token_ids=ids), params,
+                lora_request=self.engine.adapters.request_for(version))
         except VLLMError as e:
             raise request_checks.as_bad_request(e) from e
 

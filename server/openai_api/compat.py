@@ -142,6 +142,8 @@ class GatedEngineClient:
         # Streams get deltas; otherwise the last output holds every token.
         deltas = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
         q, track, accepted, finished, sampled = None, None, False, False, 0
+        # The admitted version's LoRA adapter (the /v1 model name selects none).
+        kwargs["lora_request"] = engine.adapters.request_for(tag.lease.version)
         try:
             q = await engine.llm.add_request(request_id, prompt, params, **kwargs)
             track = engine.watch(q)

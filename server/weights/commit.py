@@ -113,15 +113,23 @@ class TwoPhaseCommit:
             await self._check(push, checksums, macs)
         t_checked = time.monotonic()
         gate = self.engine.gate
-        async with gate.commit_window(push.policy, self.settings.commit_drain_s) as mode:
+        # An adapter over the loaded weights changes nothing a running request
+        # uses (it keeps its own version's adapter): no drain, no pause.
+        only = push.req.adapter is not None and push.req.adapter.base_version is not None
+        async with gate.commit_window(push.policy, self.settings.commit_drain_s,
+                                      drain=not only) as mode:
+            pause = not only or mode == "abort"
+            mode = "wait" if only and mode == "keep" else mode  # no request changes version
             try:
-                await self.llm.pause_generation(mode=mode, clear_cache=True)
+                if pause:
+                    await self.llm.pause_generation(mode=mode, clear_cache=True)
                 await self._load(push)
                 # Before the publish: requests already finished keep the old tag.
                 self.engine.freeze_finished()
                 await gate.publish(push.req.version, mode)
             finally:
-                await self.llm.resume_generation()
+                if pause:
+                    await self.llm.resume_generation()
         self.plane.touch()  # a push keeps the trainer's connection lease alive
         t1 = time.monotonic()
         self.metrics.pushes.labels("committed").inc()
@@ -138,13 +146,21 @@ class TwoPhaseCommit:
                      "total_s": t1 - push.started})
 
     async def _load(self, push: Push) -> None:
-        gate, v = self.engine.gate, push.req.version
-        self.delta_base = None  # the workers' staged copies change from here on
-        try:
-            await ops.send(self.llm, WorkerOp.LOAD)  # a raise here has ended vLLM's session
+        gate, v, adapter = self.engine.gate, push.req.version, push.req.adapter
+        table = self.engine.adapters
+        only = adapter is not None and adapter.base_version is not None
+        held, self.delta_base = self.delta_base, None  # the staged copies change from here on
+        lora: dict = {}
+        if adapter is not None:  # a fresh LoRA id; the versions requests hold stay loaded
+            new = table.new(v)
+            lora = {"lora_id": new.lora_id, "keep_ids": table.keep_ids(new, set(gate.leases))}
+        try:  # a raise here has ended vLLM's session
+            await ops.send(self.llm, WorkerOp.LOAD, **lora)
         except Exception as e:
             # The worker says UNTOUCHED when it refused before changing any
             # parameter: only then may the old version keep serving.
+            if only and UNTOUCHED in str(e):
+                self.delta_base = held  # refused before it changed anything
             if UNTOUCHED not in str(e):  # past the point of no return
                 gate.broken = (f"the load of weight_version {v} failed mid-commit ({e}); "
                                "the weights are in an unknown state, so /generate answers 503 "
@@ -153,7 +169,12 @@ class TwoPhaseCommit:
             raise PushFailed(f"push rejected at load, version {gate.version} "
                              f"{'still serving' if gate.broken is None else 'unusable'}: {e}"
                              ) from e
-        self.delta_base = v
+        if adapter is None:
+            self.delta_base = v
+            table.published_full(v)
+        else:  # an adapter-only load left the staged copy as it was
+            self.delta_base = held if only else None
+            table.published_adapter(new, lora["keep_ids"], with_base=not only)
         # Only releases the patches; vLLM keeps its session open if this raises.
         await self.llm.finish_weight_update(weight_version=str(v))
 

@@ -8,6 +8,7 @@ from rollout_sidecar.client.protocol import BeginRequest, TensorSlot
 from rollout_sidecar.client.protocol.wire_format import itemsize
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
+from rollout_sidecar.server.weights.adapter_check import AdapterFactors
 
 
 @dataclass
@@ -65,10 +66,13 @@ def _patch_size(p: TensorSlot, f: str) -> int:
     return p.length
 
 
-def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) -> None:
+def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
+                   max_lora_rank: int = 0) -> None:
     """Raise `BadRequest` naming the first offending field."""
     seen: set[str] = set()
     chunks = _ChunkCoverage()
+    factors = AdapterFactors(req.adapter, index, serve_dtype, max_lora_rank) \
+        if req.adapter is not None else None
     # A delta push covers the checkpoint too: a slot per tensor, zero bytes
     # where nothing changed; the resident copy supplies the rest.
     for bi, bucket in enumerate(req.buckets):
@@ -81,6 +85,8 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) 
         for pi, p in enumerate(bucket.params):
             f = f"{where}.params[{pi}]"
             spec = index.tensors.get(p.name)
+            if factors is not None and (adapted := factors.slot_spec(p, f)) is not None:
+                spec = adapted
             if spec is None and p.name in index.ignored:
                 raise BadRequest(f"{p.name!r} is in the checkpoint but vLLM drops it at load "
                                  "(see GET /weights/index 'ignored'); leave it out", f"{f}.name")
@@ -114,6 +120,10 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str) 
                 raise BadRequest(f"{p.name}: ends at byte {end_prev}, bucket has "
                                  f"{bucket.nbytes}", f"{f}.offset")
     chunks.finish()
+    if factors is not None:
+        factors.finish()
+        if req.adapter.base_version is not None:  # the factors alone
+            return
     missing = sorted(set(index.tensors) - seen)
     # Every push is complete: vLLM's layerwise reload rebuilds a fused layer
     # (q/k/v, gate/up) from what was pushed, so a partial push would zero the rest.

@@ -37,7 +37,7 @@ from rollout_sidecar.client.protocol import (
     WeightIndex,
     WeightStatus,
 )
-from rollout_sidecar.server.errors import PushConflict
+from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.commit import TwoPhaseCommit
@@ -107,7 +107,8 @@ class WeightService:
             push_timeout_s=self.settings.push_timeout_s,
             commit_drain_s=self.settings.commit_drain_s, last_push=self.session.last,
             last_probe=self.last_probe, suspect=gate.suspect.get(gate.version),
-            broken=gate.broken, delta_base=self.commits.delta_base)
+            broken=gate.broken, delta_base=self.commits.delta_base,
+            lora=self.engine.adapters.status())
 
     def index(self) -> WeightIndex:
         idx, serve = self.engine.index, self.engine.info.dtype
@@ -161,7 +162,9 @@ class WeightService:
                                    f"version {self.engine.gate.version}")
             if req.transport != "http":
                 self.plane.check_owner(req.connection_id)
-            check_manifest(req, self.engine.index, self.engine.info.dtype)
+            self._check_adapter(req)
+            check_manifest(req, self.engine.index, self.engine.info.dtype,
+                           self.settings.max_lora_rank)
             held = self.commits.delta_base
             if req.delta_base is not None and req.delta_base != held:
                 raise PushConflict(f"delta_base {req.delta_base}: this replica's staged copy "
@@ -169,14 +172,15 @@ class WeightService:
                                    "; send this push dense (see WeightStatus.delta_base)")
             push = self.session.new_push(req, req.commit_policy or self.settings.commit_policy,
                                          self.settings.push_timeout_s)
-            if req.delta_base is None:
+            if req.delta_base is None and (req.adapter is None or req.adapter.base_version is None):
                 self.commits.delta_base = None  # a dense receive overwrites the staged copy
             try:
                 await self.llm.start_weight_update()
                 await ops.send(self.llm,
                                WorkerOp.ALLOCATE if req.transport == "http" else WorkerOp.RECEIVE,
                                manifest=[b.model_dump() for b in req.buckets],
-                               version=req.version, delta_base=req.delta_base)
+                               version=req.version, delta_base=req.delta_base,
+                               adapter=req.adapter.model_dump() if req.adapter else None)
             except Exception as e:  # a raising op already ended vLLM's session
                 self.commits.delta_base = None  # the workers may disagree: start over dense
                 if req.transport != "http":
@@ -186,6 +190,21 @@ class WeightService:
             self.watchdog.start(push)
             return BeginResponse(push_id=push.push_id, deadline_s=self.settings.push_timeout_s,
                                  commit_policy=push.policy)
+
+    def _check_adapter(self, req: BeginRequest) -> None:
+        """An adapter push needs LoRA on, and the base it names held here."""
+        a, table = req.adapter, self.engine.adapters
+        if a is None:
+            return
+        if not table.enabled:
+            raise BadRequest("adapter: this server was started without --enable-lora; push "
+                             "the merged model (WeightPusher adapter=False)", "adapter")
+        if req.delta_base is not None:
+            raise BadRequest("delta_base: an adapter push is never a delta", "delta_base")
+        if a.base_version is not None and a.base_version != table.base_version:
+            raise PushConflict(f"adapter.base_version {a.base_version}: this replica holds the "
+                               f"full weights of version {table.base_version}; send the base "
+                               "weights with the adapter (see WeightStatus.lora.base_version)")
 
     async def stage_bucket(self, push_id: str, index: int, data: bytes, checksum: int) -> None:
         async with self.session.lock:

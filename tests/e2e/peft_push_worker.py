@@ -74,10 +74,37 @@ def gaps(model_path: str, model: torch.nn.Module, got: torch.Tensor,
                 moved=(want - before).abs().mean().item())
 
 
-def main() -> None:
+def start_ranks(url: str) -> tuple[int, object, dict]:
+    """gloo up; (rank, rank 0's client, the server's /info on every rank)."""
     import torch.distributed as dist
 
     from rollout_sidecar.client import GenerationClient
+
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    client = GenerationClient(url) if rank == 0 else None
+    box = [client.info().model_dump() if client else None]
+    dist.broadcast_object_list(box, src=0)
+    return rank, client, box[0]
+
+
+def finish_ranks(rank: int, report: object, out: str) -> None:
+    """Rank 0 writes the report; every rank leaves without torch's teardown."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    from tests.fidelity.fidelity_worker import exit_without_teardown
+
+    exit_without_teardown()
+
+
+def main() -> None:
+
     from rollout_sidecar.trainer import WeightPusher, WeightPushError
     from tests.peft_merge_worker import shard
 
@@ -87,13 +114,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--wrappers", default="fsdp2,fsdp1")
     args = ap.parse_args()
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    client = GenerationClient(args.url) if rank == 0 else None
-    box = [client.info().model_dump() if client else None]
-    dist.broadcast_object_list(box, src=0)
-    info = box[0]
+    rank, client, info = start_ranks(args.url)
     seqs = scored_sequences(info["vocab_size"])
     pusher = WeightPusher(args.url, bucket_mb=1, probe_tolerance=1e-4)
     version = info["weight_version"]
@@ -115,14 +136,7 @@ def main() -> None:
             r.update(gaps(args.model, oracle_src, got, seqs))
         report[wrapper] = r
     pusher.close()
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    from tests.fidelity.fidelity_worker import exit_without_teardown
-
-    exit_without_teardown()
+    finish_ranks(rank, report, args.out)
 
 
 if __name__ == "__main__":

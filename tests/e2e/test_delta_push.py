@@ -11,15 +11,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, start_server, stop_server
+from tests.conftest import run_torchrun, start_server, stop_server
 
 WORKER = Path(__file__).with_name("delta_pair_worker.py")
 pytestmark = pytest.mark.slow
@@ -38,17 +35,9 @@ def pair(tmp_path_factory):
 def test_delta_and_dense_replicas_serve_bit_identical_answers(pair, tmp_path):
     a, b = pair
     out = tmp_path / "pair.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(WORKER), "--delta-url", a.url,
-         "--dense-url", b.url, "--dense-tokens", f"{b.admin_token},{b.api_token}",
-         "--model", str(a.model_path), "--out", str(out)],
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                     [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                 ROLLOUT_SIDECAR_ADMIN_TOKEN=a.admin_token,
-                 ROLLOUT_SIDECAR_API_TOKEN=a.api_token),
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    run_torchrun(WORKER, ["--delta-url", a.url, "--dense-url", b.url, "--dense-tokens",
+                          f"{b.admin_token},{b.api_token}", "--model", str(a.model_path),
+                          "--out", str(out)], a)
     pushes = json.loads(out.read_text())["pushes"]
     for p in pushes:
         print("DELTA-PAIR", json.dumps(p))

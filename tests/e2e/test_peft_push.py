@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rollout_sidecar.trainer import WeightPusher
-from tests.conftest import REPO, free_port, start_server, stop_server
+from tests.conftest import run_torchrun, start_server, stop_server
 from tests.e2e.peft_push_worker import build_peft, gaps, scored_sequences, served
 
 WORKER = Path(__file__).with_name("peft_push_worker.py")
@@ -68,16 +65,8 @@ def test_fsdp2_and_fsdp1_peft_models_serve_their_merged_weights(srv, tmp_path, c
     with srv.client() as c:
         v = c.info().weight_version
     out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(WORKER), "--url", srv.url,
-         "--model", str(srv.model_path), "--out", str(out), "--wrappers", "fsdp2,fsdp1"],
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                     [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                 ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
-                 ROLLOUT_SIDECAR_API_TOKEN=srv.api_token),
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    run_torchrun(WORKER, ["--url", srv.url, "--model", str(srv.model_path), "--out", str(out),
+                          "--wrappers", "fsdp2,fsdp1"], srv)
     report = json.loads(out.read_text())
     with capsys.disabled():
         print(f"\nsharded PEFT pushes: {report}")

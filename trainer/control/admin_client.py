@@ -163,13 +163,16 @@ class WeightAdminClient:
 
     def begin(self, version: int, transport: str, buckets: list[dict],
               connection_id: str | None, commit_policy: str | None,
-              budget_s: float = 300.0, delta_base: int | None = None) -> BeginResponse:
+              budget_s: float = 300.0, delta_base: int | None = None,
+              adapter: dict | None = None) -> BeginResponse:
         """Checks the manifest and allocates staging: watched, since a large
         model's staging takes a while."""
         body = {"version": version, "transport": transport, "connection_id": connection_id,
                 "commit_policy": commit_policy, "buckets": buckets}
         if delta_base is not None:  # a server before deltas refuses the field
             body["delta_base"] = delta_base
+        if adapter is not None:  # an AdapterSpec's JSON
+            body["adapter"] = adapter
         return BeginResponse.model_validate(self._call("POST", "/weights/begin", "begin",
                                                        budget_s, json=body))
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rollout_sidecar.client.protocol import BucketManifest, WeightStatus
+from rollout_sidecar.client.protocol import AdapterSpec, BucketManifest, WeightStatus
 from rollout_sidecar.client.protocol.wire_format import torch_dtype
 from rollout_sidecar.trainer.delta.patch_gather import DeltaDiff
 from rollout_sidecar.trainer.delta.patch_plan import (
@@ -51,6 +51,8 @@ class Opening:
     delta_base: int | None  # the base every replica holds, if a delta may go
     why_dense: str | None  # else why not
     keep_copy: bool = True  # False: this model never goes as a delta (PEFT, conversions)
+    adapter: AdapterSpec | None = None  # a LoRA adapter push (trainer/adapter/)
+    adapter_reason: str | None = None  # why a PEFT model goes merged
 
 
 def replicas_base(statuses: list[WeightStatus], urls: list[str], copy_version: int | None

@@ -10,7 +10,7 @@ at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +104,8 @@ def _unit_prefix(root: nn.Module, unit: nn.Module) -> str:
 
 
 def iter_full_tensors(model: nn.Module, device: torch.device | None = None,
-                      buffers: Sequence[str] = (), block_bytes: int | None = None
+                      buffers: Sequence[str] = (), block_bytes: int | None = None,
+                      only: Callable[[str], bool] | None = None
                       ) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
     """Yield (normalised name, full tensor) in `param_plan` order, on every rank.
 
@@ -115,14 +116,18 @@ def iter_full_tensors(model: nn.Module, device: torch.device | None = None,
     blocks; whatever it left is drawn here before the next parameter, so the
     ranks' collectives stay in step.
     Buffers need no collective, so a rank that only takes part in the gathers
-    may leave `buffers` empty.
+    may leave `buffers` empty. With `only` (the same on every rank), just the
+    parameters whose normalised name it accepts are gathered (an adapter
+    push: FSDP1 gathers the units holding one).
     """
     model = _unwrap(model)
     if _is_fsdp1(model):
-        yield from _iter_fsdp1(model)
+        yield from _iter_fsdp1(model, only)
     else:
         buffer = BlockBuffer(block_bytes or 0)  # one for every parameter's blocks
         for name, p in model.named_parameters():
+            if only is not None and not only(normalize_name(name)):
+                continue
             p = p.detach()
             if row_blockable(p, block_bytes):
                 blocks = RowBlocks(p, block_bytes, _mesh_device(p, device), buffer)
@@ -153,13 +158,17 @@ def _full(p: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     return p.full_tensor()
 
 
-def _iter_fsdp1(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_fsdp1(model: nn.Module, only: Callable[[str], bool] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     for unit in _fsdp1_units(model):
         flat = unit._handle.flat_param
         prefix = _unit_prefix(model, unit)
-        wanted = list(flat._fqns)
+        wanted = [f for f in flat._fqns
+                  if only is None or only(normalize_name(prefix + f))]
+        if not wanted:
+            continue
         # recurse=False: only this unit's flat parameter is gathered.
         with FSDP.summon_full_params(unit, recurse=False, writeback=False):
             by_name = {normalize_name(n): p

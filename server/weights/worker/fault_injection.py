@@ -10,6 +10,8 @@ read at every load, so one server can go through several faults:
   see it.
 - ``crash``: the load raises after it changed the model (past the point of no
   return), as a device error mid-load would.
+- ``lora_scaling_twice``: a LoRA adapter's scaling (alpha/r) is applied twice,
+  as SkyRL's rebuilt adapters were (SkyRL 2221). Only the probe can see it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ def _spec() -> tuple[str, str]:
 def crash_after_load() -> None:
     if _spec()[0] == "crash":
         raise RuntimeError("injected failure after the model changed (test fault)")
+
+
+def lora_scaling_fault() -> bool:
+    if _spec()[0] != "lora_scaling_twice":
+        return False
+    log.warning("%s: applying every LoRA scaling twice (tests only)", ENV)
+    return True
 
 
 def apply_test_faults(weights: Iterable[tuple[str, torch.Tensor]], checkpoint: str

@@ -35,6 +35,10 @@ from rollout_sidecar.client.protocol.bucket_group import (
 from rollout_sidecar.client.protocol.bucket_mac import BucketMac, parse_secret
 from rollout_sidecar.client.protocol.wire_format import crc32
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
+from rollout_sidecar.server.weights.worker.adapter_loading import (
+    split_adapter,
+    stage_adapter,
+)
 from rollout_sidecar.server.weights.worker.fault_injection import (
     apply_test_faults,
     crash_after_load,
@@ -84,6 +88,9 @@ class StagedUpdateInfo(WeightTransferUpdateInfo):
     macs: list[str] | None = None  # CHECK: each bucket's tag (with a secret)
     version: int | None = None  # CHECK: bound into the tags; RECEIVE/ALLOCATE, LOAD
     delta_base: int | None = None  # RECEIVE/ALLOCATE: a delta push's base (patching.py)
+    adapter: dict | None = None  # RECEIVE/ALLOCATE: a LoRA adapter push's AdapterSpec
+    lora_id: int | None = None  # LOAD of an adapter push: its vLLM LoRA id
+    keep_ids: list[int] | None = None  # LOAD of an adapter push: the ids kept loaded
 
 
 class _Joiner(threading.Thread):
@@ -189,9 +196,16 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         return self._push.delta_base if self._push is not None else None
 
     @property
+    def _adapter_only(self) -> bool:
+        """An adapter over the weights already loaded: the staged copy stays."""
+        a = self._push.adapter if self._push is not None else None
+        return a is not None and a.get("base_version") is not None
+
+    @property
     def incoming(self) -> Staging:
         """Where this push's buckets land."""
-        return self.patches if self._delta_base is not None else self.staging
+        return self.patches if self._delta_base is not None or self._adapter_only \
+            else self.staging
 
     def start_weight_update(self) -> None:
         self._error = None
@@ -233,7 +247,10 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         elif op is WorkerOp.LOAD:
             if not self._checked:
                 raise RuntimeError("load before every bucket arrived and passed its CRC")
-            self._load()
+            if self._push is not None and self._push.adapter is not None:
+                self._load_adapter(info)
+            else:
+                self._load()
             crash_after_load()
         elif op is WorkerOp.ABORT:
             raise RuntimeError("push aborted")
@@ -242,6 +259,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         if info.delta_base is not None:
             self.resident.require(info.delta_base)
             self.patches.allocate(_manifest(info), device)
+        elif info.adapter is not None and info.adapter.get("base_version") is not None:
+            self.patches.allocate(_manifest(info), device)  # the staged copy stays
         else:
             self.resident.version = None  # overwritten from here on
             self.staging.allocate(_manifest(info), device)
@@ -263,6 +282,21 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         weights = apply_test_faults(self.staging.tensors(), self.model_config.model)
         load_all_or_nothing(self.model, self.model_config, weights)
         self.resident.version = version  # kept: the next delta's base
+        self.patches.release()
+
+    def _load_adapter(self, info: StagedUpdateInfo) -> None:
+        """An adapter push: built (and checked) first, then its base weights
+        if it carries them; vLLM builds it again at its first request."""
+        assert self._push is not None and self._push.adapter is not None
+        if info.lora_id is None or info.keep_ids is None:
+            raise LoadRefused("an adapter load needs lora_id and keep_ids")
+        base, factors = split_adapter(self.incoming.tensors())
+        stage_adapter(self.model, factors, self._push.adapter["scaling"], info.lora_id,
+                      info.keep_ids)
+        if not self._adapter_only:  # the staged copy now holds base + factors: no delta base
+            self.resident.version = None
+            load_all_or_nothing(self.model, self.model_config,
+                                apply_test_faults(base, self.model_config.model))
         self.patches.release()
 
     def finish_weight_update(self) -> None:
@@ -368,7 +402,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         write into its buffers, so those are not pooled, and the group (now out
         of step with the trainer) is dropped: the trainer reconnects."""
         self._checked = False
-        if self._delta_base is None:
+        if self._delta_base is None and not self._adapter_only:
             self.resident.version = None  # a dense push's receive overwrote it
         if self._join_receiver(timeout=0.0):
             self.incoming.release()

@@ -59,3 +59,6 @@ def _add_worker_method() -> None:
 
     if not hasattr(Worker, WORKER_METHOD):
         setattr(Worker, WORKER_METHOD, rollout_sidecar_call)
+    from rollout_sidecar.server.weights.worker.adapter_loading import patch_vllm_lora
+
+    patch_vllm_lora()

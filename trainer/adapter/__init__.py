@@ -1,0 +1,1 @@
+"""LoRA adapter pushes: send a PEFT model's adapter, not the merged model."""
