@@ -98,3 +98,19 @@ def test_each_package_imports_only_what_its_docstring_says(package, forbidden):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]", f"{package} imports {out}"
+
+
+def test_every_source_folder_is_a_listed_package():
+    """A wheel carries only the packages pyproject lists; a folder left out
+    imports fine from the repo but not from the Docker image's install."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    missing = []
+    for package, folder in setuptools["package-dir"].items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.parent.relative_to(REPO / folder).parts
+            if (name := ".".join((package, *parts))) not in listed:
+                missing.append(name)
+    assert sorted(set(missing)) == []
