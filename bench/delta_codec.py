@@ -6,8 +6,10 @@
 2. For one 4096 x 4096 bf16 tensor at densities 0.1% .. 90%: each form's bytes
    (as a share of dense), encode and apply time, and the push time of the best
    form against dense at 2, 10 and 25 Gbit/s (wire + encode + apply).
+3. The trainer's diff of one rank's piece (fp32 master against its bf16 copy,
+   one thread): whole-tensor ops against ShardCopy's chunked scan.
 
-    python bench/delta_codec.py [--size 4096] [--repeats 3]
+    python bench/delta_codec.py [--size 4096] [--repeats 3] [--diff-numel 67108864]
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--diff-numel", type=int, default=64 << 20)
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
@@ -92,6 +95,31 @@ def main() -> None:
             best_s = min(n * wire + s for n, s in cost.values())
             speed.append(f"{best_s:>9.3f}/{dense_s:<6.3f}{dense_s / best_s:>5.1f}x")
         print(f"{density:>8.1%} {' '.join(cells)} {auto.value:>7} {' '.join(speed)}")
+    diff_side_by_side(args.diff_numel, args.repeats)
+
+
+def diff_side_by_side(numel: int, repeats: int) -> None:
+    from rollout_sidecar.trainer.delta.shard_copy import ShardCopy, _diff_whole
+    from rollout_sidecar.trainer.delta.shard_pieces import Piece
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    print(f"\nthe diff of a {numel / 1e6:.0f}M-element piece, fp32 -> bf16 copy, 1 thread:")
+    print(f"{'density':>8} {'whole s':>8} {'chunked s':>10} {'ratio':>6}")
+    for density in (0.01, 0.05):
+        master = torch.randn(numel, generator=g) * 0.02
+        copy = ShardCopy()
+        piece = Piece("w", 0, master)
+        copy.refresh([piece], [torch.bfloat16], 1)
+        master += 1e-3 * (torch.rand(numel, generator=g) < density)
+        whole = timed(lambda c=copy, p=piece: _diff_whole(p, c._tensors[0], 0.25), repeats)
+        chunked = timed(lambda c=copy, p=piece: c.diff(0, p, 0.25), repeats)
+        a, b = _diff_whole(piece, copy._tensors[0], 0.25), copy.diff(0, piece, 0.25)
+        assert torch.equal(a.where, b.where) and torch.equal(bits(a.values), bits(b.values))
+        assert (a.count, a.first, a.last, a.max_gap) == (b.count, b.first, b.last, b.max_gap)
+        print(f"{density:>8.1%} {whole:>8.3f} {chunked:>10.3f} {whole / chunked:>5.2f}x")
+    torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

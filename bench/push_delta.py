@@ -90,6 +90,12 @@ def measure_in(prefix: list[str], delta_urls: list[str], dense_urls: list[str], 
     return json.loads(out.read_text())
 
 
+# PushResult.timings: diff (delta only), begin (opening and diff included), gather
+# and send, the server's commit (drain, apply, load, publish), then the probe
+# (the shard copy's update included).
+STEPS = ("diff_s", "begin_s", "gather_send_s", "server_commit_s", "probe_s", "total_s")
+
+
 def report(res: dict[str, list[dict]], args: argparse.Namespace, wall: float) -> None:
     headers = ["lr", "delta pushes", "changed % (min / median / max)", "MiB dense",
                "MiB delta", "bytes ratio", "B / changed elt", "diff s", "send s dense / delta",
@@ -119,6 +125,11 @@ def report(res: dict[str, list[dict]], args: argparse.Namespace, wall: float) ->
     print(f"\n{args.size}, {args.replicas} replica(s) per group, {net}, bucket "
           f"{args.bucket_mb:g} MiB, medians over {args.steps} steps; {wall:.0f}s; {load()}")
     print(table(headers, rows))
+    print("\nWhere a push's time goes (medians, s, dense / delta):")
+    print(table(["lr", *STEPS], [[lr, *(
+        f"{median([p['dense_t'].get(k, 0.0) for p in pushes]):.3f} / "
+        f"{median([p['delta_t'].get(k, 0.0) for p in pushes]):.3f}" for k in STEPS)]
+        for lr, pushes in res.items()]))
 
 
 def main() -> None:
@@ -162,6 +173,8 @@ def main() -> None:
         t0 = time.perf_counter()
         res = measure_in(exec_prefix("t") if args.link else [], urls["a"], urls["b"],
                          env["ROLLOUT_SIDECAR_ADMIN_TOKEN"], args)
+        (args.workdir / f"delta-{args.size}-{args.link or 'loopback'}-r{args.replicas}.json"
+         ).write_text(json.dumps(res))
     report(res, args, time.perf_counter() - t0)
 
 

@@ -58,3 +58,38 @@ def test_a_nan_in_another_ranks_shard_is_refused(tmp_path):
     assert first["error"] is None
     kind, message = second["error"]
     assert kind == "nonfinite" and "model.layers.1.mlp.up_proj.weight" in message
+
+
+@pytest.mark.parametrize("density", [0.0, 0.002, 0.05, 0.6])
+def test_the_chunked_diff_finds_what_a_whole_tensor_compare_finds(monkeypatch, density):
+    """ShardCopy's host diff runs in chunks: changes across chunk borders, in
+    chunks with none, and a piece turning dense midway give what one
+    whole-tensor compare gives (a piece that starts mid-tensor included)."""
+    import torch
+
+    from rollout_sidecar.client.protocol.delta_codec import bits
+    from rollout_sidecar.trainer.delta import shard_copy
+    from rollout_sidecar.trainer.delta.shard_pieces import Piece
+
+    monkeypatch.setattr(shard_copy, "CHUNK", 64)
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(1000, generator=g)
+    master[5] = 0.0
+    piece = Piece("w", 300, master)
+    copy = shard_copy.ShardCopy()
+    copy.refresh([piece], [torch.bfloat16], 1)
+    hit = torch.rand(1000, generator=g) < density
+    hit[[63, 64, 999]] = density > 0  # around a chunk border, and the last element
+    master[hit] += 0.5
+    if density:
+        master[5] = -0.0  # equal in value, another bit pattern: a change
+    for dense_above in (0.25, 1.0):
+        got = copy.diff(0, piece, dense_above)
+        want = shard_copy._diff_whole(piece, copy._tensors[0], dense_above)
+        assert (got.count, got.first, got.last, got.max_gap) == \
+            (want.count, want.first, want.last, want.max_gap)
+        assert (got.where is None) == (want.where is None)
+        if want.where is not None:
+            assert torch.equal(got.where, want.where)
+            assert torch.equal(bits(got.values), bits(want.values))
+    assert (got.count > 0) == (density > 0)

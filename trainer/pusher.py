@@ -170,7 +170,7 @@ class WeightPusher:
                                    if self.rank == 0 else None)
         t_committed = time.perf_counter()
         if self._delta is not None and opening.keep_copy:  # the next delta's base
-            self._delta.committed(model, opening, result.version)
+            self._delta.committed(model, opening, result.version, delta)
         self._adapter.committed(opening.adapter, result.version)
         result.adapter_reason = opening.adapter_reason
         if opening.adapter is not None:

@@ -116,8 +116,13 @@ class DeltaPush:
         return DeltaPlan(diff, plans, plan_patch_buckets(plans, bucket_bytes),
                          opening.delta_base), None
 
-    def committed(self, model: nn.Module, opening: Opening, version: int) -> None:
-        """Every replica committed `version`: every rank's copy becomes it."""
+    def committed(self, model: nn.Module, opening: Opening, version: int,
+                  delta: DeltaPlan | None = None) -> None:
+        """Every replica committed `version`: every rank's copy becomes it
+        (after a delta, by writing in the changes it carried)."""
+        if delta is not None and self.copy.version == delta.base:
+            self.copy.advance(delta.diff.pieces, delta.diff.changes, version)
+            return
         _, pieces, dtypes = self._layout(model, opening)
         if pieces is None:
             self.copy.forget()
