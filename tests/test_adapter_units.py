@@ -96,15 +96,15 @@ INDEX = CheckpointIndex({"model.q.weight": TensorSpec((32, 16), "float32"),
                          "model.k.weight": TensorSpec((8, 16), "float32")}, False)
 
 
-def begin(params: list[tuple[str, list[int]]], scaling: dict, base: int | None = 0
-          ) -> BeginRequest:
+def begin(params: list[tuple[str, list[int]]], scaling: dict, base: int | None = 0,
+          delta_base: int | None = None) -> BeginRequest:
     slots, offset = [], 0
     for name, shape in params:
         slots.append({"name": name, "dtype": "float32", "shape": shape, "offset": offset})
         offset += 4 * shape[0] * shape[1]
     return BeginRequest(version=1, transport="http", buckets=[
         {"index": 0, "nbytes": offset, "params": slots}],
-        adapter=AdapterSpec(scaling=scaling, base_version=base))
+        adapter=AdapterSpec(scaling=scaling, base_version=base), delta_base=delta_base)
 
 
 def test_adapter_manifests_are_checked_against_the_checkpoint():
@@ -146,3 +146,32 @@ def test_a_server_keeps_the_newest_adapters_and_those_requests_hold():
     assert t.request_for(4).lora_int_id == ids[4] and t.request_for(2) is None
     t.published_full(5)
     assert t.status().base_version == 5 and not t.status().serving_adapter
+
+
+def test_the_server_refuses_adapters_it_cannot_apply_naming_the_field():
+    """A server without --enable-lora, an adapter sent as a delta, and an
+    adapter over a base this replica does not hold are refused at begin."""
+    from types import SimpleNamespace
+
+    from rollout_sidecar.server.errors import PushConflict
+    from rollout_sidecar.server.weights.service import WeightService
+
+    def check(settings, **kw) -> None:
+        table = AdapterTable(settings, "boot")
+        table.published_full(3)
+        service = SimpleNamespace(engine=SimpleNamespace(adapters=table))
+        req = begin([("model.q.lora_A.weight", [4, 16]), ("model.q.lora_B.weight", [32, 4])],
+                    {"model.q": 2.0}, **kw)
+        WeightService._check_adapter(service, req)
+
+    off = SimpleNamespace(enable_lora=False, max_lora_rank=16, lora_keep=2)
+    with pytest.raises(BadRequest, match="--enable-lora") as e:
+        check(off, base=3)
+    assert e.value.field == "adapter"
+    with pytest.raises(BadRequest, match="never a delta") as e:
+        check(_Settings(), base=3, delta_base=2)
+    assert e.value.field == "delta_base"
+    with pytest.raises(PushConflict, match="adapter.base_version 2"):
+        check(_Settings(), base=2)
+    check(_Settings(), base=3)  # the base it holds: accepted
+    check(_Settings(), base=None)  # with the base weights: any base
