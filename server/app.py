@@ -30,7 +30,7 @@ from rollout_sidecar.server.openai_api import router as openai_api
 from rollout_sidecar.server.openai_api.compat import build_state
 from rollout_sidecar.server.openapi import install_openapi
 from rollout_sidecar.server.weights import router as weights
-from rollout_sidecar.server.weights.service import TRANSPORTS, WeightService
+from rollout_sidecar.server.weights.service import WeightService
 
 log = logging.getLogger("rollout_sidecar.server")
 
@@ -85,7 +85,6 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
     app.state.ready = False
     app.state.not_ready_reason = "model loading"
     app.state.draining = False
-    app.state.transports = TRANSPORTS
     app.state.openai = None
     for module in (generate, openai_api, health, metrics, weights):
         app.include_router(module.router)

@@ -58,13 +58,15 @@ class ServerSettings(BaseSettings):
     max_model_len: int | None = Field(
         None, ge=16, description="Longest prompt + completion in tokens. Unset: the model's "
         "own (as vLLM), lowered only if the KV cache cannot hold one such sequence.")
-    gpu_memory_utilization: float = Field(
-        0.3,
+    gpu_memory_utilization: float | None = Field(
+        None,
         gt=0.0,
         le=1.0,
-        description="Fraction of GPU memory for weights + KV cache (on CPU the KV cache size "
-        "is VLLM_CPU_KVCACHE_SPACE). Ours is 0.3 where vLLM's is 0.9: a push stages the "
-        "incoming weights outside vLLM's budget, and a sidecar often shares its GPU.",
+        description="Fraction of GPU memory for weights + KV cache. Unset, on a GPU: vLLM's "
+        "0.9 less what a push needs outside it (2 GiB of receive and load scratch, plus the "
+        "model with weight_staging=device), divided by the GPU's memory; lower it when the "
+        "GPU is shared with a trainer. Ignored on CPU (the KV cache is "
+        "VLLM_CPU_KVCACHE_SPACE).",
     )
     max_num_seqs: int = Field(256, ge=1, description="Sequences batched at once (vLLM's "
                               "default on most GPUs).")
@@ -77,10 +79,10 @@ class ServerSettings(BaseSettings):
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs (or CPU worker processes) one copy of the model is split "
         "over; every worker joins the weight data plane and loads its own shard of a push.")
-    enforce_eager: bool = Field(
-        True, description="Skip CUDA graph capture and compilation. Ours is true where vLLM's "
-        "is false: a server starts in seconds (minutes of compilation on CPU); set false on "
-        "a GPU for faster decoding.")
+    enforce_eager: bool | None = Field(
+        None, description="Skip CUDA graph capture and compilation. Unset: false on a GPU "
+        "(CUDA graphs, as vLLM), true on CPU (a server starts in seconds, not after minutes "
+        "of compilation).")
     seed: int = Field(0, description="Engine seed.")
     enable_lora: bool = Field(
         False, description="Accept LoRA adapter pushes (`WeightPusher.push(peft_model, v)` "

@@ -40,7 +40,8 @@ class _FakeLLM:
             self.conn = {"state": "connected", "id": payload["connection_id"]}
         elif op == SideOp.DISCONNECT.value:
             self.conn = {"state": "none"}
-        return [{"connection": self.conn, "receive": "idle", "receive_error": None}]
+        return [{"rank": 0, "ok": True, "connection": self.conn, "receive": "idle",
+                 "receive_error": None}]
 
 
 def _settings():
@@ -140,7 +141,7 @@ def test_a_push_its_trainer_gave_up_on_ends_at_that_trainers_next_connect():
                             boot_id="b")
         failed = []
 
-        async def on_failed(push, reason, outcome, session_open):
+        async def on_failed(push, reason, outcome):
             failed.append((outcome, reason))
             await svc.plane.drop()  # what the real commit side does for a distributed push
         svc.session._on_failed = on_failed

@@ -22,7 +22,7 @@ BEGIN = BeginRequest(version=3, transport="gloo", connection_id="c",
 def _session():
     failed: list[tuple[str, str]] = []
 
-    async def on_failed(push, reason, outcome, session_open):
+    async def on_failed(push, reason, outcome):
         failed.append((outcome, reason))
 
     return PushSession(on_failed), failed
@@ -68,7 +68,7 @@ def test_a_failed_prepare_ends_the_push_and_its_commit_is_refused():
         push = await _begin(session)
 
         async def verify(p):
-            raise PushFailed("bucket 1 checksum mismatch", session_open=False)
+            raise PushFailed("bucket 1 checksum mismatch")
 
         with pytest.raises(PushConflict, match="checksum mismatch"):
             await session.prepare(push.push_id, verify, 120)

@@ -13,6 +13,15 @@ Two timeouts. Forming the group (`timeout_s`) is a one-off that may be slow
 the transfer on every rank instead of hanging. NCCL gets the first through its
 options (the plain constructor has none); the second goes to each wait.
 
+A peer's failure must not take this process down. gloo raises in the waiting
+thread. PyTorch's NCCL watchdog instead tears the process down on a failed or
+timed-out work item by default (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, read in the
+`ProcessGroupNCCL` constructor, default 3, SkipCleanUp; `SHOULD_TEAR_DOWN`
+rethrows on the watchdog thread): a trainer dying mid-push would SIGABRT a
+vLLM worker. So our group alone is built with 2 (CleanUpOnly): the watchdog
+aborts its communicators, the waiting thread's `wait()` raises, we drop the
+group and the trainer reconnects. vLLM's own groups keep their setting.
+
 Fan-out. NCCL's broadcast is already a pipelined ring. gloo's is a binomial
 tree of whole buffers: with two replicas rank 0 sends every bucket twice, one
 after the other, so a push to N receivers took about log2(N + 1) times one
@@ -27,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -38,6 +49,9 @@ from rollout_sidecar.client.protocol.signed_store import SignedStore, group_pref
 SENDER_RANK = 0
 CHAIN_CHUNK_BYTES = 16 << 20  # pipelines a 64+ MiB bucket; large enough to send at full speed
 Fanout = Literal["broadcast", "chain"]
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEAN_UP_ONLY = "2"  # abort the communicators, raise in wait(), keep the process
+_env_lock = threading.Lock()
 
 
 class DataPlaneGroup:
@@ -65,12 +79,14 @@ class DataPlaneGroup:
 
 def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_size: int,
                     backend: str, timeout_s: float, secret: bytes | None = None,
-                    op_timeout_s: float | None = None) -> DataPlaneGroup:
+                    op_timeout_s: float | None = None,
+                    device: torch.device | None = None) -> DataPlaneGroup:
     """Blocks until every rank joined or `timeout_s` passes (then raises).
     With `secret` (the connection's), the rendezvous is signed and a tampered
     value raises `RendezvousTampered`; once the group formed, every rank
     deletes the keys it wrote (signed_store.py). `op_timeout_s`: each later
-    operation's timeout (default `timeout_s`)."""
+    operation's timeout (default `timeout_s`). `device`: NCCL's device for
+    this rank (default: the calling thread's current one)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     tcp = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     store: Any = dist.PrefixStore(group_prefix(connection_id), tcp)
@@ -79,9 +95,7 @@ def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_s
         store = signed = SignedStore(store, secret, f"{host}:{port}", timeout_s)
     try:
         if backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+            group = _nccl_group(store, rank, world_size, timeout)
         else:
             group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
     except BaseException:
@@ -90,7 +104,7 @@ def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_s
         raise
     if signed is not None:
         try:
-            _barrier(group, backend)  # every rank is past the rendezvous: no key is needed
+            _barrier(group, backend, device)  # every rank is past the rendezvous
         except BaseException:
             close_group(group)
             raise
@@ -99,14 +113,35 @@ def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_s
     return DataPlaneGroup(group, op_timeout_s or timeout_s)
 
 
-def _barrier(group: Any, backend: str) -> None:
+def _nccl_group(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """A `ProcessGroupNCCL` whose watchdog cleans up instead of killing the
+    process (module docstring). The variable is read once, in the constructor;
+    the lock keeps two of our groups from racing on it."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    with _env_lock:
+        before = os.environ.get(NCCL_ERROR_HANDLING)
+        os.environ[NCCL_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
+        try:
+            return dist.ProcessGroupNCCL(store, rank, world_size, options)
+        finally:
+            if before is None:
+                os.environ.pop(NCCL_ERROR_HANDLING, None)
+            else:
+                os.environ[NCCL_ERROR_HANDLING] = before
+
+
+def _barrier(group: Any, backend: str, device: torch.device | None) -> None:
     # NCCL builds its communicator at the first collective (reading rank 0's
-    # id from the store), so this also ends NCCL's use of the store. A
-    # broadcast on this rank's device rather than barrier(), which guesses one.
+    # id from the store), on the device of its tensor, so this also ends
+    # NCCL's use of the store. A broadcast on this rank's device rather than
+    # barrier(), which guesses one.
     if backend == "nccl":
-        flag = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        if device is None or device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        flag = torch.zeros(1, device=device)
         group.broadcast(flag, SENDER_RANK).wait()
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(device).synchronize()
     else:
         group.barrier().wait()
 

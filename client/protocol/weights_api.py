@@ -350,3 +350,7 @@ class WeightStatus(ReplyModel):
     lora: LoraStatus | None = Field(
         None, description="LoRA adapter pushes: null unless the server was started with "
         "--enable-lora.")
+    staged_bytes: int | None = Field(
+        None, description="Bytes of staging buffers all of this server's workers held when "
+        "the last push ended (the staged copy a delta applies to, plus pooled buffers; "
+        "docs/gpu.md gives the formula). Null before the first push.")

@@ -18,6 +18,7 @@ from typing import Any
 from rollout_sidecar.client.protocol import GenerateRequest, GenerateResponse
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine.adapter_table import AdapterTable, lora_engine_args
+from rollout_sidecar.server.engine.platform_defaults import resolve as resolve_defaults
 from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track
 from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.generate.service import GenerateService
@@ -64,16 +65,19 @@ class GenerationEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         s = self.settings
+        served_bytes = self.index.num_parameters * (4 if s.dtype == "float32" else 2)
+        defaults = resolve_defaults(s, served_bytes)
+        log.info("engine defaults: %s", defaults.why)
         args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=s.dtype,
             # -1: the model's own length, lowered by vLLM only if the KV cache
             # cannot hold one sequence of it (vLLM's auto-fit).
             max_model_len=s.max_model_len or -1,
-            gpu_memory_utilization=s.gpu_memory_utilization,
+            gpu_memory_utilization=defaults.gpu_memory_utilization,
             max_num_seqs=s.max_num_seqs,
             tensor_parallel_size=s.tensor_parallel_size,
-            enforce_eager=s.enforce_eager,
+            enforce_eager=defaults.enforce_eager,
             seed=s.seed,
             weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKEND},
             # raw: the model's own distribution (before temperature/top-p), what a

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 
 from rollout_sidecar.client.protocol import HealthResponse, InfoResponse
 from rollout_sidecar.server.auth import require_api_token
+from rollout_sidecar.server.weights.service import transports
 
 router = APIRouter()
 
@@ -58,6 +59,6 @@ async def info(request: Request) -> InfoResponse:
         boot_id=engine.boot_id,
         num_parameters=engine.index.num_parameters,
         commit_policy=request.app.state.settings.commit_policy,
-        transports=request.app.state.transports,
+        transports=transports(),
         logprobs_mode=engine.info.logprobs_mode,
     )

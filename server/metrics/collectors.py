@@ -74,6 +74,10 @@ class ServerMetrics:
             "rollout_sidecar_weight_suspect", "1 while the served version failed its probe.",
             registry=r,
         )
+        self.staged_bytes = Gauge(
+            "rollout_sidecar_weight_staged_bytes", "Staging buffers every worker held when "
+            "the last push ended (the staged copy plus pooled buffers).", registry=r,
+        )
         self.commit_seconds = Histogram(
             "rollout_sidecar_weight_commit_seconds", "Pause-load-resume time of a commit.",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r,

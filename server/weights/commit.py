@@ -34,9 +34,8 @@ from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.data_plane import DataPlane
-from rollout_sidecar.server.weights.ops import WorkerOp
+from rollout_sidecar.server.weights.ops import WorkerCallFailed, WorkerOp
 from rollout_sidecar.server.weights.push_session import Push, PushFailed, PushSession, PushState
-from rollout_sidecar.server.weights.worker.reload import UNTOUCHED
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +51,7 @@ class TwoPhaseCommit:
         # The version every worker's staged copy holds (worker/patching.py):
         # the base a delta push may name; None when the next must be dense.
         self.delta_base: int | None = None
+        self.staged_bytes: int | None = None  # every worker's staging, once a push ended
 
     @property
     def llm(self) -> Any:
@@ -108,8 +108,7 @@ class TwoPhaseCommit:
         t0 = time.monotonic()
         if push.prepared is None:  # one call does both phases
             if checksums is None:
-                raise PushFailed("commit of a push that was not prepared needs checksums",
-                                 session_open=True)
+                raise PushFailed("commit of a push that was not prepared needs checksums")
             await self._check(push, checksums, macs)
         t_checked = time.monotonic()
         gate = self.engine.gate
@@ -154,14 +153,16 @@ class TwoPhaseCommit:
         if adapter is not None:  # a fresh LoRA id; the versions requests hold stay loaded
             new = table.new(v)
             lora = {"lora_id": new.lora_id, "keep_ids": table.keep_ids(new, set(gate.leases))}
-        try:  # a raise here has ended vLLM's session
+        try:
             await ops.send(self.llm, WorkerOp.LOAD, **lora)
         except Exception as e:
-            # The worker says UNTOUCHED when it refused before changing any
-            # parameter: only then may the old version keep serving.
-            if only and UNTOUCHED in str(e):
+            # Every worker refused before changing any parameter: only then may
+            # the old version keep serving. One rank that loaded while another
+            # refused leaves shards of two versions: broken, nothing published.
+            untouched = isinstance(e, WorkerCallFailed) and e.untouched
+            if only and untouched:
                 self.delta_base = held  # refused before it changed anything
-            if UNTOUCHED not in str(e):  # past the point of no return
+            if not untouched:  # past the point of no return
                 gate.broken = (f"the load of weight_version {v} failed mid-commit ({e}); "
                                "the weights are in an unknown state, so /generate answers 503 "
                                "until a push succeeds")
@@ -175,8 +176,14 @@ class TwoPhaseCommit:
         else:  # an adapter-only load left the staged copy as it was
             self.delta_base = held if only else None
             table.published_adapter(new, lora["keep_ids"], with_base=not only)
-        # Only releases the patches; vLLM keeps its session open if this raises.
-        await self.llm.finish_weight_update(weight_version=str(v))
+        # Closes vLLM's session on every worker (it resets LoRA state there).
+        self.held_staging(await ops.call(self.llm, WorkerOp.FINISH))
+        await self.llm.update_weight_version(str(v))
+
+    def held_staging(self, replies: list[dict]) -> None:
+        """What every worker's staging holds once a push ended."""
+        self.staged_bytes = sum(r.get("staged_bytes", 0) for r in replies)
+        self.metrics.staged_bytes.set(self.staged_bytes)
 
     # -------------------------------------------------------------- abort
 
@@ -189,14 +196,20 @@ class TwoPhaseCommit:
             await self.session.fail(push, reason, outcome="aborted")
             return self.session.last
 
-    async def on_failed(self, push: Push, reason: str, outcome: str, session_open: bool
-                        ) -> None:
+    async def end_session(self) -> None:
+        """Drop the staged push and close vLLM's session on every worker that
+        has one; idempotent, so it needs no knowledge of which ranks failed.
+        A failure here (a worker gone) leaves the next begin to close it."""
+        try:
+            self.held_staging(await ops.call(self.llm, WorkerOp.ABORT))
+        except Exception as e:
+            log.warning("ending the weight-update session: %s", e)
+
+    async def on_failed(self, push: Push, reason: str, outcome: str) -> None:
         """The session's cleanup for every push that ends without a commit
-        (abort, deadline, bad bucket, failed phase): the worker drops its
+        (abort, deadline, bad bucket, failed phase): every worker drops its
         staging and a distributed push's group is dropped."""
-        if session_open:
-            with contextlib.suppress(Exception):  # ABORT raises, which ends the session
-                await ops.send(self.llm, WorkerOp.ABORT)
+        await self.end_session()
         if push.distributed:  # the trainer's side of the group is out of step
             with contextlib.suppress(Exception):
                 await self.plane.drop()

@@ -36,7 +36,8 @@ from rollout_sidecar.client.protocol import (
     DisconnectResponse,
 )
 from rollout_sidecar.server.errors import BadRequest, PushConflict
-from rollout_sidecar.server.weights.ops import WORKER_METHOD, SideOp
+from rollout_sidecar.server.weights import ops
+from rollout_sidecar.server.weights.ops import SideOp
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,14 @@ class DataPlane:
         self.store = None
 
     async def side(self, op: SideOp, payload: dict | None = None) -> dict:
-        (state, *_) = await self.llm.collective_rpc(WORKER_METHOD, args=(op.value, payload))
-        return state
+        """Every worker's state, merged: connected once all are, failed or
+        receiving if any is (naming the rank)."""
+        try:
+            replies = await ops.call(self.llm, op, **(payload or {}))
+        except ops.WorkerCallFailed as e:
+            return {"connection": {"state": "failed", "error": str(e)}, "receive": "failed",
+                    "receive_error": str(e), "staged_bytes": 0}
+        return merge_states(replies)
 
     async def connect(self, req: ConnectRequest) -> ConnectResponse:
         """Called with the push lock held, and no push in progress."""
@@ -205,3 +212,23 @@ def _remember(ended: OrderedDict, key: str, value: Any) -> None:
     ended[key] = value
     while len(ended) > REMEMBERED:
         ended.popitem(last=False)
+
+
+def merge_states(replies: list[dict]) -> dict:
+    """One state from every worker's (worker_calls.py replies, rank order)."""
+    def named(r: dict, error: str | None) -> str | None:
+        return error if len(replies) == 1 or error is None else f"worker rank {r['rank']}: {error}"
+
+    conns = [r["connection"] for r in replies]
+    conn = next((dict(c, error=named(r, c.get("error"))) for r, c in zip(replies, conns,
+                 strict=True) if c["state"] == "failed"), None)
+    if conn is None:
+        states = {c["state"] for c in conns}
+        conn = conns[0] if len(states) == 1 else next(
+            c for c in conns if c["state"] == ("connecting" if "connecting" in states else "none"))
+    failed = next((r for r in replies if r["receive"] == "failed"), None)
+    running = any(r["receive"] == "running" for r in replies)
+    return {"connection": conn,
+            "receive": "failed" if failed else "running" if running else "idle",
+            "receive_error": named(failed, failed["receive_error"]) if failed else None,
+            "staged_bytes": sum(r.get("staged_bytes", 0) for r in replies)}

@@ -1,11 +1,20 @@
 """The operations the API process asks of our transfer engine inside the vLLM
-worker, one Enum shared by both sides instead of strings.
+workers, one Enum shared by both sides instead of strings, and the one way
+they travel: every op is a call of the worker method our plugin adds
+(`rollout_sidecar_call`), and every worker answers every call with a value.
 
-`WorkerOp`s travel as `update_weights` calls inside vLLM's update session (a
-raise there ends the session). `SideOp`s travel through the worker method our
-plugin adds (`rollout_sidecar_call`): outside any session, non-blocking, and
-they return data (connection and receive state), so nothing is polled by
-raising and the engine core is never blocked waiting for a trainer.
+Why never a raise: vLLM's `MultiprocExecutor.collective_rpc` reads the
+workers' replies in rank order and raises at the first failed one, leaving
+the replies of the ranks after it unread in their queues (vLLM 0.32,
+`v1/executor/multiproc_executor.py:433-449`; vLLM #49972). From then on those
+ranks answer each call with their reply to the call before, so with TP >= 2 a
+load that failed on rank 1 alone could read as a success, and a commit could
+publish shards of two versions. A reply that is a value keeps every queue in
+step; this module reads all of them and decides.
+
+`WorkerOp`s run inside vLLM's weight-update session (worker_calls.py opens it
+with the receive and closes it with FINISH or ABORT). `SideOp`s run outside
+it: connection and receive state, polled while generation goes on.
 """
 
 from __future__ import annotations
@@ -17,12 +26,13 @@ WORKER_METHOD = "rollout_sidecar_call"
 
 
 class WorkerOp(str, Enum):
-    ALLOCATE = "allocate"  # HTTP transport: lay out staging for the manifest
-    RECEIVE = "receive"  # gloo/NCCL: receive every bucket in a background thread
+    ALLOCATE = "allocate"  # HTTP transport: open the session, lay out staging
+    RECEIVE = "receive"  # gloo/NCCL: open the session, receive in a background thread
     STAGE = "stage"  # one bucket's bytes, from an HTTP body
     CHECK = "check"  # join the receive, check every bucket's CRC (phase 1: prepare)
     LOAD = "load"  # the commit: load the staged push, all of it or none of it
-    ABORT = "abort"  # drop the staged push (raises, which ends vLLM's session)
+    FINISH = "finish"  # after a load on every rank: close the session
+    ABORT = "abort"  # drop the staged push and close the session; idempotent
 
 
 class SideOp(str, Enum):
@@ -31,10 +41,34 @@ class SideOp(str, Enum):
     DISCONNECT = "disconnect"  # drop the group (a joiner still blocked times out alone)
 
 
-async def send(llm: Any, op: WorkerOp, **info: Any) -> None:
-    """Run `op` in every worker, inside vLLM's open update session (API side).
+class WorkerCallFailed(RuntimeError):
+    """Some rank answered a call with a failure. `untouched`: every rank
+    failed before changing its model (a load refused everywhere), so the
+    old weights still serve on all of them."""
 
-    A raise here has already ended that session (vLLM closes it on error)."""
-    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+    def __init__(self, op: str, replies: list[dict]) -> None:
+        self.op = op
+        self.replies = replies
+        failed = [r for r in replies if not r.get("ok")]
+        self.untouched = len(failed) == len(replies) and all(r.get("untouched")
+                                                              for r in failed)
+        super().__init__("; ".join(_named(r, len(replies)) for r in failed))
 
-    await llm.update_weights(WeightTransferUpdateRequest(update_info={"op": op.value, **info}))
+
+def _named(reply: dict, ranks: int) -> str:
+    error = reply.get("error") or "failed"
+    return error if ranks == 1 else f"worker rank {reply.get('rank', '?')}: {error}"
+
+
+async def call(llm: Any, op: WorkerOp | SideOp, **payload: Any) -> list[dict]:
+    """Run `op` on every worker and return every rank's reply, in rank order;
+    raise `WorkerCallFailed` naming each rank that failed."""
+    replies = await llm.collective_rpc(WORKER_METHOD, args=(op.value, payload))
+    if not all(r.get("ok") for r in replies):
+        raise WorkerCallFailed(op.value, replies)
+    return replies
+
+
+async def send(llm: Any, op: WorkerOp, **payload: Any) -> None:
+    """Run a `WorkerOp` on every worker; raise `WorkerCallFailed` if any failed."""
+    await call(llm, op, **payload)

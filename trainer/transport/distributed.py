@@ -128,11 +128,17 @@ class DistributedTransport:
             or "127.0.0.1"
         store_port = statuses[0].data_plane_port
         out: dict[str, Any] = {}
+        # Read here, in the caller's thread: the join thread's current CUDA
+        # device is its own and starts at 0, whatever device rank 0 is on.
+        device = self.buffer_device
 
         def join() -> None:
             try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
                 out["group"] = broadcast_group(store_host, store_port, conn_id, SENDER_RANK,
-                                               world, self.backend, join_s, secret, op_s)
+                                               world, self.backend, join_s, secret, op_s,
+                                               device=device)
             except BaseException as e:
                 out["join_error"] = e
 

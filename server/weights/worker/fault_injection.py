@@ -12,6 +12,11 @@ read at every load, so one server can go through several faults:
   return), as a device error mid-load would.
 - ``lora_scaling_twice``: a LoRA adapter's scaling (alpha/r) is applied twice,
   as SkyRL's rebuilt adapters were (SkyRL 2221). Only the probe can see it.
+- ``corrupt``: the first staged bucket's first byte is flipped after it
+  arrived, so its CRC check refuses the push.
+
+Any of them followed by ``@R`` happens on worker rank R alone (TP >= 2): a
+fault on one rank is what puts vLLM's worker replies out of step (ops.py).
 """
 
 from __future__ import annotations
@@ -37,16 +42,29 @@ def _checkpoint_tensor(checkpoint: str, name: str, like: torch.Tensor) -> torch.
     raise KeyError(f"{name} not in {checkpoint}")
 
 
-def _spec() -> tuple[str, str]:
+def _spec(rank: int | None = None) -> tuple[str, str]:
+    """(kind, target) of the fault for worker `rank` (None: any rank)."""
     path = os.environ.get(ENV)
     spec = Path(path).read_text().strip() if path and Path(path).exists() else ""
+    spec, at, only = spec.partition("@")
+    if at and rank is not None and int(only) != rank:
+        return "", ""
     kind, _, target = spec.partition(":")
     return kind, target
 
 
-def crash_after_load() -> None:
-    if _spec()[0] == "crash":
+def crash_after_load(rank: int) -> None:
+    if _spec(rank)[0] == "crash":
         raise RuntimeError("injected failure after the model changed (test fault)")
+
+
+def corrupt_arrived(buffer: torch.Tensor, rank: int) -> bool:
+    """Flip a staged byte after arrival, so the CRC check refuses it."""
+    if _spec(rank)[0] != "corrupt" or not buffer.numel():
+        return False
+    log.warning("%s: corrupting a staged bucket on rank %d (tests only)", ENV, rank)
+    buffer[0] ^= 0xFF
+    return True
 
 
 def lora_scaling_fault() -> bool:
@@ -56,9 +74,9 @@ def lora_scaling_fault() -> bool:
     return True
 
 
-def apply_test_faults(weights: Iterable[tuple[str, torch.Tensor]], checkpoint: str
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    kind, target = _spec()
+def apply_test_faults(weights: Iterable[tuple[str, torch.Tensor]], checkpoint: str,
+                      rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    kind, target = _spec(rank)
     if kind:
         log.warning("%s: injecting %s:%s into this load (tests only)", ENV, kind, target)
     for name, tensor in weights:

@@ -4,7 +4,10 @@ GPU memory): per-bucket buffers, checksums, views.
 Buckets land here and are checked while the old weights keep serving. Only a
 complete, checked set is ever loaded into the model, which is what makes a
 commit atomic. Buffers are kept for the next push of the same layout, so a
-steady-state push allocates nothing.
+steady-state push allocates nothing; a pooled buffer the next push's layout
+does not use is freed then, so a Staging never holds more than one push's
+buffers (a delta's patch buckets change size at every push: pooled by size
+and never trimmed, they piled up push after push).
 
 A tensor larger than a bucket arrives split across consecutive buckets. At
 load time its chunks are copied, in order, into one new contiguous tensor:
@@ -48,16 +51,25 @@ class Staging:
     _pool: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     def allocate(self, manifest: list[BucketManifest], device: torch.device) -> None:
-        """Lay out buffers for a manifest, reusing last push's where sizes match."""
+        """Lay out buffers for a manifest, reusing last push's where sizes
+        match, and free the pooled buffers it does not use."""
         self.release()
+        pool, self._pool = self._pool, {}
         for b in manifest:
-            pooled = self._pool.get(b.nbytes)
+            pooled = pool.get(b.nbytes)
             buf = pooled.pop() if pooled else None
             if buf is None or buf.device != device:
                 # Pinned on a GPU server: host-to-device copies at load run at full speed.
                 pin = device.type == "cpu" and torch.cuda.is_available()
                 buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
             self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf))
+        # What is left in `pool` goes with it.
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffers held: the staged push's and the pool's."""
+        return sum(b.nbytes for b in self.buckets) + sum(
+            t.numel() for ts in self._pool.values() for t in ts)
 
     def release(self) -> None:
         """Forget the staged push; its buffers go back to the pool."""

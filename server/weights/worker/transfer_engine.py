@@ -1,15 +1,19 @@
 """Our vLLM `WeightTransferEngine`: receive into staging, check, load on commit.
 
 Runs inside the vLLM worker process. The API process drives it with
-`WorkerOp`s through AsyncLLM's weight-update calls (any op that raises ends
-vLLM's update session), and with `SideOp`s through the worker method our
-plugin adds (see ops.py). The model changes only in `WorkerOp.LOAD`, and only
-with a complete, CRC-checked set of buckets; the load itself is
-all-or-nothing (reload.py). `finish_weight_update` just releases the staging:
-vLLM leaves its session open when that method raises, so nothing happens there.
+`WorkerOp`s and `SideOp`s through the worker method our plugin adds, which
+answers every call with a value (worker_calls.py, ops.py); `WorkerOp`s reach
+`receive_weights` through vLLM's `update_weights`, inside its update session.
+The model changes only in `WorkerOp.LOAD`, and only with a complete,
+CRC-checked set of buckets; the load itself is all-or-nothing (reload.py).
+`finish_weight_update` only releases the patches: the staged copy stays, the
+base of the next delta.
 
 Blocking work (joining the trainer's group, receiving buckets) runs in
 background threads, so the engine core keeps scheduling generation meanwhile.
+A thread's current CUDA device is its own and starts at device 0, so every
+thread that runs a collective sets this worker's device first (with TP >= 2
+every worker would otherwise put its NCCL communicator on GPU 0).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from rollout_sidecar.server.weights.worker.adapter_loading import (
 )
 from rollout_sidecar.server.weights.worker.fault_injection import (
     apply_test_faults,
+    corrupt_arrived,
     crash_after_load,
 )
 from rollout_sidecar.server.weights.worker.patching import ResidentCopy, apply_patches
@@ -96,21 +101,34 @@ class StagedUpdateInfo(WeightTransferUpdateInfo):
 class _Joiner(threading.Thread):
     """Joins the trainer's group; blocks until every rank does, or times out."""
 
-    def __init__(self, info: StagedInitInfo, worker_rank: int) -> None:
+    def __init__(self, info: StagedInitInfo, worker_rank: int, device: torch.device) -> None:
         super().__init__(daemon=True, name="rollout-sidecar-connect")
         self.info = info
         self.rank = info.rank_offset + worker_rank
+        self.device = device
         self.group: Any = None
         self.error: str | None = None
 
     def run(self) -> None:
         i = self.info
         try:
+            use_device(self.device, i.backend)
             self.group = broadcast_group(i.store_host, i.store_port, i.connection_id,
                                          self.rank, i.world_size, i.backend, i.timeout_s,
-                                         i.key, i.op_timeout_s)
+                                         i.key, i.op_timeout_s, device=self.device)
         except BaseException as e:  # reported through SideOp.STATE
             self.error = f"{type(e).__name__}: {e}"
+
+
+class _Receive(threading.Thread):
+    """One push's receive: its thread, the group it reads and its error, kept
+    apart from the next push's (a stale receive on a dropped group may end
+    late, and must not fail a push that came after it)."""
+
+    def __init__(self, group: Any, run: Any) -> None:
+        super().__init__(target=lambda: run(self), daemon=True, name="rollout-sidecar-recv")
+        self.group = group
+        self.error: BaseException | None = None
 
 
 class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo]):
@@ -127,8 +145,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.resident = ResidentCopy()
         self._push: StagedUpdateInfo | None = None  # the push's RECEIVE/ALLOCATE
         self._joiner: _Joiner | None = None
-        self._receiver: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._receiver: _Receive | None = None  # this push's, once it receives
         self._checked = False
 
     # ------------------------------------------------------------ side channel
@@ -153,14 +170,20 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             conn = {"state": "connecting", "id": j.info.connection_id}
         recv = "failed" if self._error else "running" if self._receiving() else "idle"
         return {"connection": conn, "receive": recv,
-                "receive_error": str(self._error) if self._error else None}
+                "receive_error": str(self._error) if self._error else None,
+                "staged_bytes": self.staged_bytes}
+
+    @property
+    def staged_bytes(self) -> int:
+        """Staging buffers held: the staged copy, patches, pooled buffers."""
+        return self.staging.held_bytes + self.patches.held_bytes
 
     # --------------------------------------------------------------- connection
 
     def init_transfer_engine(self, init_info: StagedInitInfo) -> None:
         """Start joining the trainer's group and return at once."""
         self.shutdown()
-        self._joiner = _Joiner(init_info, self._worker_rank())
+        self._joiner = _Joiner(init_info, self._worker_rank(), self.device)
         self._joiner.start()
 
     def _worker_rank(self) -> int:
@@ -168,6 +191,10 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         # across data-parallel groups, TP x PP ranks within each.
         pc = self.parallel_config
         return pc.data_parallel_index * pc.world_size + pc.rank
+
+    @property
+    def _error(self) -> BaseException | None:
+        return self._receiver.error if self._receiver is not None else None
 
     @property
     def group(self) -> Any:
@@ -208,7 +235,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             else self.staging
 
     def start_weight_update(self) -> None:
-        self._error = None
+        self._receiver = None  # a stale one ends alone, on its dropped group
         self._checked = False
         self._push = None
         self.patches.release()  # the staged copy stays: a delta may apply to it
@@ -220,7 +247,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         try:
             self.receive_weights(info)
         except BaseException:
-            self._discard()
+            self.discard()
             raise
 
     def receive_weights(self, info: StagedUpdateInfo) -> None:
@@ -230,9 +257,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         elif op is WorkerOp.RECEIVE:
             if self.group is None:
                 raise RuntimeError("data plane not connected; call /weights/connect first")
-            self._allocate(info, self._staging_device())
-            self._receiver = threading.Thread(target=self._receive_all, daemon=True,
-                                              name="rollout-sidecar-recv")
+            self._allocate(info, self._staging_device(info))
+            self._receiver = _Receive(self.group, self._receive_all)
             self._receiver.start()
         elif op is WorkerOp.STAGE:
             self._stage_http(info)
@@ -241,6 +267,9 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 raise TimeoutError(f"buckets still arriving after {info.timeout_s:.0f}s")
             if self._error is not None:
                 raise RuntimeError(f"receive failed: {self._error}")
+            if self.incoming.buckets and corrupt_arrived(self.incoming.buckets[0].buffer,
+                                                         self._worker_rank()):
+                self.incoming.buckets[0].checksum = None  # recomputed: sees the fault
             self._check_macs(info)  # first: a forger fixes the CRC up too
             self.incoming.check(info.checksums or [])
             self._checked = True
@@ -251,9 +280,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 self._load_adapter(info)
             else:
                 self._load()
-            crash_after_load()
-        elif op is WorkerOp.ABORT:
-            raise RuntimeError("push aborted")
+            crash_after_load(self._worker_rank())
 
     def _allocate(self, info: StagedUpdateInfo, device: torch.device) -> None:
         if info.delta_base is not None:
@@ -279,7 +306,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             apply_patches(self.patches, self.staging)
         else:
             self.resident.version = None
-        weights = apply_test_faults(self.staging.tensors(), self.model_config.model)
+        weights = apply_test_faults(self.staging.tensors(), self.model_config.model,
+                                    self._worker_rank())
         load_all_or_nothing(self.model, self.model_config, weights)
         self.resident.version = version  # kept: the next delta's base
         self.patches.release()
@@ -296,11 +324,13 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         if not self._adapter_only:  # the staged copy now holds base + factors: no delta base
             self.resident.version = None
             load_all_or_nothing(self.model, self.model_config,
-                                apply_test_faults(base, self.model_config.model))
+                                apply_test_faults(base, self.model_config.model,
+                                                  self._worker_rank()))
         self.patches.release()
 
     def finish_weight_update(self) -> None:
         self.patches.release()  # the staged copy stays resident
+        self._push = None
 
     def _check_macs(self, info: StagedUpdateInfo) -> None:
         """With a connection secret, every bucket's tag must match: bytes the
@@ -319,44 +349,49 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     # ---------------------------------------------------------------- internals
 
-    def _staging_device(self) -> torch.device:
+    def _staging_device(self, info: StagedUpdateInfo) -> torch.device:
         # gloo moves host memory. NCCL receives into device memory, but a full
         # staged copy there sits outside vLLM's memory budget, so by default it
         # goes through a one-bucket device buffer into pinned host memory.
-        if self.backend == "nccl" and self._joiner.info.staging == "device" \
-                and self._delta_base is None:  # patches are small: host memory
+        # Patches (a delta's, an adapter's) are small and applied on the host.
+        small = info.delta_base is not None or info.adapter is not None
+        if self.backend == "nccl" and self._joiner.info.staging == "device" and not small:
             return self.device
         return torch.device("cpu")
 
-    def _receive_all(self) -> None:
+    def _receive_all(self, rx: _Receive) -> None:
         if self._joiner.info.fanout == "chain":
-            return self._receive_chain()
+            return self._receive_chain(rx)
         try:
+            use_device(self.device, self.backend)
             pending = None
-            bounce = None
+            bounce = host_copy = None
             key = self._joiner.info.mac_key
             incoming = self.incoming
-            if self.backend == "nccl" and incoming.buckets[0].buffer.is_cpu:
+            if incoming.buckets and self.backend == "nccl":
                 size = max(b.nbytes for b in incoming.buckets)
-                bounce = torch.empty(size, dtype=torch.uint8, device=self.device)
+                if incoming.buckets[0].buffer.is_cpu:  # host staging: through the device
+                    bounce = torch.empty(size, dtype=torch.uint8, device=self.device)
+                else:  # device staging: CRC'd here, from a host copy, not at CHECK
+                    host_copy = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             for b in incoming.buckets:
                 target = b.buffer if bounce is None else bounce[: b.nbytes]
                 work = self.group.broadcast(target)
                 # Checksum (and tag) the previous bucket while this one arrives.
                 if pending is not None:
-                    _digest(pending, key)
+                    _digest(pending, key, host_copy)
                 work.wait()
                 if bounce is not None:
                     b.buffer.copy_(target)  # synchronous: the next broadcast reuses it
                 b.received = True
                 pending = b
             if pending is not None:
-                _digest(pending, key)
+                _digest(pending, key, host_copy)
         except BaseException as e:  # reported by SideOp.STATE and WorkerOp.CHECK
-            self._error = e
+            rx.error = e
             log.warning("weight receive failed: %s", e)
 
-    def _receive_chain(self) -> None:
+    def _receive_chain(self, rx: _Receive) -> None:
         """Each bucket from the previous rank, forwarded to the next; its CRC
         runs over each piece while the next one arrives."""
         j = self._joiner
@@ -377,7 +412,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 b.mac = mac
                 b.received = True
         except BaseException as e:  # reported by SideOp.STATE and WorkerOp.CHECK
-            self._error = e
+            rx.error = e
             log.warning("weight receive failed: %s", e)
 
     def _stage_http(self, info: StagedUpdateInfo) -> None:
@@ -397,35 +432,50 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     def _receiving(self) -> bool:
         return self._receiver is not None and self._receiver.is_alive()
 
-    def _discard(self) -> None:
-        """Drop the staged push. A receive thread still blocked in recv may yet
-        write into its buffers, so those are not pooled, and the group (now out
-        of step with the trainer) is dropped: the trainer reconnects."""
+    def discard(self) -> None:
+        """Drop the staged push, if any. A receive thread still blocked in recv
+        may yet write into its buffers, so those are not pooled, and the group
+        (now out of step with the trainer) is dropped: the trainer reconnects."""
+        if self._push is None:  # nothing staged: the resident copy stays a delta's base
+            self._receiver = None
+            return
         self._checked = False
         if self._delta_base is None and not self._adapter_only:
             self.resident.version = None  # a dense push's receive overwrote it
-        if self._join_receiver(timeout=0.0):
+        rx, self._receiver = self._receiver, None
+        if rx is None or not rx.is_alive():
             self.incoming.release()
         else:
             self.incoming.drop_pool()
-            self._drop_group()
+            if rx.group is self.group:  # out of step with the trainer; a stale one's is gone
+                self._drop_group()
+        self.patches.release()
+        self._push = None
 
     def _join_receiver(self, timeout: float) -> bool:
-        if self._receiver is None:
-            return True
-        self._receiver.join(timeout)
-        if self._receiver.is_alive():
-            return False
-        self._receiver = None
-        return True
+        if self._receiver is not None:
+            self._receiver.join(timeout)
+        return not self._receiving()
 
 
-def _digest(b: Any, key: bytes | None) -> None:
-    """A host bucket's CRC (and tag) on arrival; a device one's wait for the
-    check, which copies it to the host once (staging.py)."""
-    if b.buffer.is_cpu:
-        b.checksum = crc32(b.buffer)
-        b.mac = BucketMac(key).update(b.buffer) if key is not None else None
+def _digest(b: Any, key: bytes | None, host_copy: torch.Tensor | None) -> None:
+    """A bucket's CRC (and tag) on arrival, in the receive thread while the
+    next bucket arrives: a device bucket through one reused pinned host copy,
+    so the check (on the worker's main thread) has nothing left to copy."""
+    data = b.buffer
+    if not data.is_cpu:
+        assert host_copy is not None
+        data = host_copy[: b.nbytes]
+        data.copy_(b.buffer)
+    b.checksum = crc32(data)
+    b.mac = BucketMac(key).update(data) if key is not None else None
+
+
+def use_device(device: torch.device, backend: str) -> None:
+    """Make `device` this thread's current CUDA device (each thread starts on
+    device 0): NCCL puts a collective's communicator on the current device."""
+    if backend == "nccl" and device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _manifest(info: StagedUpdateInfo) -> list[BucketManifest]:

@@ -3,7 +3,8 @@ core and its workers) before the model loads. It
 
 - registers our weight-transfer backend (registering in the API process alone
   is not enough);
-- adds one worker method, `rollout_sidecar_call`, the side channel of ops.py;
+- adds one worker method, `rollout_sidecar_call`, through which every op of
+  ops.py travels (worker_calls.py);
 - asks the kernel to kill vLLM's child processes when their parent dies, so a
   SIGKILLed server leaves no orphaned EngineCore holding memory and ports.
 """
@@ -52,10 +53,10 @@ def _add_worker_method() -> None:
     from rollout_sidecar.server.weights.ops import WORKER_METHOD
 
     def rollout_sidecar_call(self: Worker, op: str, payload: dict | None = None) -> dict:
-        engine = self.weight_transfer_engine
-        if engine is None:
-            raise RuntimeError("weight transfer is not configured on this worker")
-        return engine.side_call(op, payload or {})
+        # Answers with a value, never a raise: see worker_calls.py.
+        from rollout_sidecar.server.weights.worker.worker_calls import run_call
+
+        return run_call(self, op, payload or {})
 
     if not hasattr(Worker, WORKER_METHOD):
         setattr(Worker, WORKER_METHOD, rollout_sidecar_call)

@@ -1,0 +1,74 @@
+"""The worker's end of ops.py: every call answered with a value, never a raise.
+
+vLLM's executor stops reading replies at the first failed rank (see ops.py),
+so a raise on one TP worker would put every later reply out of step. Here each
+call's outcome is caught and returned as `{"rank", "ok", "error",
+"untouched", ...}`, and the API process reads every rank's and decides.
+
+vLLM's weight-update session is opened with the receive and closed by FINISH
+(after a load) or ABORT (anything else), on every rank, whatever happened on
+the others: a session left open on one rank would refuse that rank's next
+`start_weight_update`. ABORT is idempotent, so the API sends it after any
+failure without knowing which ranks still had a session.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
+from rollout_sidecar.server.weights.worker.reload import UNTOUCHED
+
+log = logging.getLogger(__name__)
+
+_OPENS_SESSION = (WorkerOp.ALLOCATE, WorkerOp.RECEIVE)
+
+
+def run_call(worker: Any, op: str, payload: dict) -> dict:
+    """One rank's answer to one call."""
+    pc = worker.parallel_config
+    rank = pc.data_parallel_index * pc.world_size + worker.rank
+    try:
+        engine = worker.weight_transfer_engine
+        if engine is None:
+            raise RuntimeError("weight transfer is not configured on this worker")
+        if op in SideOp._value2member_map_:
+            data = engine.side_call(op, payload)
+        else:
+            data = _worker_op(worker, engine, WorkerOp(op), payload)
+        return {"rank": rank, "ok": True, **(data or {})}
+    except Exception as e:
+        log.warning("rank %d: %s failed: %s", rank, op, e)
+        return {"rank": rank, "ok": False, "error": str(e) or type(e).__name__,
+                "untouched": UNTOUCHED in str(e)}
+
+
+def _session_open(worker: Any) -> bool:
+    return bool(getattr(worker, "_weight_update_active", False))
+
+
+def _worker_op(worker: Any, engine: Any, op: WorkerOp, payload: dict) -> dict | None:
+    if op is WorkerOp.ABORT:
+        _close(worker, engine)
+        return {"staged_bytes": engine.staged_bytes}
+    if op is WorkerOp.FINISH:
+        if _session_open(worker):
+            worker.finish_weight_update()
+        return {"staged_bytes": engine.staged_bytes}
+    if op in _OPENS_SESSION:
+        _close(worker, engine)  # one left open by a push that never ended here
+        worker.start_weight_update()
+    elif not _session_open(worker):
+        raise RuntimeError(f"{op.value}: no push is staged on this worker (its receive "
+                           "failed or the push was aborted)")
+    # vLLM's update_weights ends the session if the op raises (gpu_worker.py).
+    worker.update_weights({"op": op.value, **payload})
+    return None
+
+
+def _close(worker: Any, engine: Any) -> None:
+    """Drop whatever push is staged and end vLLM's session, if open."""
+    engine.discard()
+    if _session_open(worker):
+        worker.finish_weight_update()

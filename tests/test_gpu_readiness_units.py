@@ -1,0 +1,242 @@
+"""Unit tests of the parts of the GPU path CPU can check (issue: ready where
+users run it). No engine starts: the worker-side tests use a fake worker and a
+fake process group, and say so; the real TP=2 fault table is
+tests/e2e/test_tensor_parallel.py, the CUDA-only halves tests/gpu/."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollout_sidecar.client.protocol import BucketManifest
+from rollout_sidecar.server.weights import ops
+from rollout_sidecar.server.weights.data_plane import merge_states
+from rollout_sidecar.server.weights.ops import SideOp, WorkerCallFailed, WorkerOp
+from tests.conftest import REPO
+
+
+def test_importing_and_building_the_server_never_asks_torch_cuda():
+    """vLLM sets PYTORCH_NVML_BASED_CUDA_CHECK when imported, so that asking
+    whether CUDA exists does not initialise it; a query before that import
+    initialises CUDA in the process vLLM then forks its engine core from."""
+    probe = textwrap.dedent("""
+        import sys, torch
+        asked = []
+        for name in ("is_available", "device_count", "current_device", "init", "_lazy_init"):
+            real = getattr(torch.cuda, name)
+            def spy(*a, _real=real, _name=name, **k):
+                asked.append((_name, "vllm" in sys.modules))
+                return _real(*a, **k)
+            setattr(torch.cuda, name, spy)
+        from rollout_sidecar.server import app, cli, launcher, serve  # noqa: F401
+        from rollout_sidecar.server.config import ServerSettings
+        app.create_app(ServerSettings(admin_token="a" * 16, api_token="b" * 16))
+        before_vllm = [n for n, vllm in asked if not vllm]
+        print("ASKED", before_vllm)
+        sys.exit(1 if before_vllm else 0)
+    """)
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- replies in step
+
+
+def _reply(rank: int, ok: bool = True, **kw) -> dict:
+    return {"rank": rank, "ok": ok, **kw}
+
+
+def test_a_failure_on_one_rank_is_named_and_a_mixed_load_is_not_untouched():
+    one = WorkerCallFailed("load", [_reply(0), _reply(1, False, error="[model untouched] x",
+                                                      untouched=True)])
+    assert "worker rank 1: [model untouched] x" in str(one) and "rank 0" not in str(one)
+    assert not one.untouched  # rank 0 loaded: shards of two versions
+    both = WorkerCallFailed("load", [_reply(r, False, error="[model untouched] y",
+                                            untouched=True) for r in (0, 1)])
+    assert both.untouched
+    single = WorkerCallFailed("check", [_reply(0, False, error="crc")])
+    assert str(single) == "crc"  # one worker: no rank to name
+
+
+class _FakeLLM:
+    """Stands in for AsyncLLM: `collective_rpc` returns what each rank replied."""
+
+    def __init__(self, replies: list[dict]) -> None:
+        self.replies = replies
+        self.calls: list[tuple] = []
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list[dict]:
+        self.calls.append((method, args))
+        return self.replies
+
+
+def test_every_rank_is_read_and_any_failure_raises():
+    llm = _FakeLLM([_reply(0), _reply(1, False, error="boom")])
+    with pytest.raises(WorkerCallFailed, match="worker rank 1: boom"):
+        asyncio.run(ops.send(llm, WorkerOp.CHECK, checksums=[1]))
+    assert llm.calls == [(ops.WORKER_METHOD, ("check", {"checksums": [1]}))]
+    assert len(asyncio.run(ops.call(_FakeLLM([_reply(0), _reply(1)]), WorkerOp.FINISH))) == 2
+
+
+def _state(rank: int, conn: str, recv: str = "idle", error: str | None = None) -> dict:
+    return _reply(rank, connection={"state": conn, "id": "c", **({"error": error}
+                                                                   if error else {})},
+                  receive=recv, receive_error=error if recv == "failed" else None,
+                  staged_bytes=10)
+
+
+def test_worker_states_merge_into_the_weakest():
+    assert merge_states([_state(0, "connected"), _state(1, "connected")])["connection"][
+        "state"] == "connected"
+    assert merge_states([_state(0, "connected"), _state(1, "connecting")])["connection"][
+        "state"] == "connecting"
+    failed = merge_states([_state(0, "connected"), _state(1, "failed", error="gone")])
+    assert failed["connection"] == {"state": "failed", "id": "c", "error": "worker rank 1: gone"}
+    recv = merge_states([_state(0, "connected", "idle"), _state(1, "connected", "failed", "x")])
+    assert (recv["receive"], recv["receive_error"], recv["staged_bytes"]) == (
+        "failed", "worker rank 1: x", 20)
+
+
+class _FakeWorker:
+    """A vLLM worker's session bookkeeping (gpu_worker.py), with a fake engine."""
+
+    def __init__(self, rank: int, fail_on: str | None = None) -> None:
+        self.rank = rank
+        self.parallel_config = SimpleNamespace(data_parallel_index=0, world_size=2)
+        self._weight_update_active = False
+        self.fail_on = fail_on
+        self.log: list[str] = []
+        self.weight_transfer_engine = SimpleNamespace(
+            discard=lambda: self.log.append("discard"), staged_bytes=7,
+            side_call=lambda op, payload: {"connection": {"state": "none"}})
+
+    def start_weight_update(self) -> None:
+        if self._weight_update_active:
+            raise RuntimeError("already active")
+        self._weight_update_active = True
+
+    def update_weights(self, info: dict) -> None:
+        if info["op"] == self.fail_on:  # as vLLM: a raise ends the session
+            self._weight_update_active = False
+            raise RuntimeError(f"{info['op']} refused")
+        self.log.append(info["op"])
+
+    def finish_weight_update(self) -> None:
+        self._weight_update_active = False
+        self.log.append("finish")
+
+
+def test_worker_calls_answer_with_values_and_abort_closes_every_session():
+    from rollout_sidecar.server.weights.worker.worker_calls import run_call
+
+    w0, w1 = _FakeWorker(0), _FakeWorker(1, fail_on="check")
+    for w in (w0, w1):
+        assert run_call(w, "receive", {})["ok"]
+    r0, r1 = run_call(w0, "check", {}), run_call(w1, "check", {})
+    assert r0 == {"rank": 0, "ok": True} and not r1["ok"] and "check refused" in r1["error"]
+    assert w0._weight_update_active and not w1._weight_update_active
+    # A load after a failed check is refused on the rank that failed, not raised.
+    assert run_call(w1, "load", {})["error"].startswith("load: no push is staged")
+    for w in (w0, w1):  # ABORT: idempotent, whatever each rank's state
+        assert run_call(w, "abort", {}) == {"rank": w.rank, "ok": True, "staged_bytes": 7}
+        assert not w._weight_update_active
+    # A session left open (a push that never ended here) does not refuse the next.
+    w0._weight_update_active = True
+    assert run_call(w0, "receive", {})["ok"] and w0.log[-3:] == ["discard", "finish", "receive"]
+    assert run_call(w0, "state", {})["connection"] == {"state": "none"}
+    broken = _FakeWorker(1)
+    broken.weight_transfer_engine = None
+    assert not run_call(broken, "state", {})["ok"]
+
+
+# ------------------------------------------------------------ staging memory
+
+
+def test_staging_holds_one_push_of_buffers_whatever_the_sizes():
+    from rollout_sidecar.server.weights.worker.staging import Staging
+
+    st = Staging()
+    for push in range(30):  # patch buckets: a new size every push
+        sizes = [1000 + 37 * push, 500 + 11 * push, 64]
+        st.allocate([BucketManifest(index=i, nbytes=n, params=[])
+                     for i, n in enumerate(sizes)], torch.device("cpu"))
+        assert st.held_bytes == sum(sizes)
+        st.release()  # pooled for the next push
+        assert st.held_bytes == sum(sizes)
+    reused = st.buckets, st._pool[64][0]
+    st.allocate([BucketManifest(index=0, nbytes=64, params=[])], torch.device("cpu"))
+    assert st.buckets[0].buffer is reused[1] and st.held_bytes == 64
+
+
+# ----------------------------------------------------------- devices and NCCL
+
+
+def test_the_data_plane_joins_on_this_workers_device_from_its_own_thread(monkeypatch):
+    """A thread starts on CUDA device 0; each TP worker's join must set its own."""
+    from rollout_sidecar.server.weights.worker import transfer_engine as te
+
+    seen: dict = {}
+    monkeypatch.setattr(te.torch.cuda, "set_device", lambda d: seen.update(
+        set=(d, threading.current_thread().name)))
+    monkeypatch.setattr(te, "broadcast_group", lambda *a, device=None, **k: seen.update(
+        group_device=device) or "group")
+    info = te.StagedInitInfo(store_host="h", store_port=1, connection_id="c", backend="nccl")
+    j = te._Joiner(info, worker_rank=1, device=torch.device("cuda", 1))
+    j.start()
+    j.join(10)
+    assert j.group == "group" and j.rank == 2
+    assert seen == {"set": (torch.device("cuda", 1), "rollout-sidecar-connect"),
+                    "group_device": torch.device("cuda", 1)}
+
+
+def test_our_nccl_group_cleans_up_instead_of_killing_the_process(monkeypatch):
+    """PyTorch reads TORCH_NCCL_ASYNC_ERROR_HANDLING in the ProcessGroupNCCL
+    constructor (default 3: tear the process down); ours is built with 2."""
+    from rollout_sidecar.client.protocol import bucket_group as bg
+
+    seen = {}
+
+    class FakeNCCL:  # no GPU here: records the environment the constructor sees
+        class Options:
+            pass
+
+        def __init__(self, store, rank, world, options) -> None:
+            seen["handling"] = os.environ.get(bg.NCCL_ERROR_HANDLING)
+            seen["timeout"] = options._timeout
+
+    monkeypatch.setattr(bg.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setenv(bg.NCCL_ERROR_HANDLING, "3")
+    import datetime
+
+    bg._nccl_group(None, 1, 2, datetime.timedelta(seconds=5))
+    assert seen == {"handling": "2", "timeout": datetime.timedelta(seconds=5)}
+    assert os.environ[bg.NCCL_ERROR_HANDLING] == "3"  # vLLM's own groups keep theirs
+
+
+def test_gpu_defaults_leave_a_push_its_memory():
+    from rollout_sidecar.server.engine.platform_defaults import (
+        PUSH_SCRATCH_BYTES,
+        gpu_utilization,
+    )
+
+    gib = 2**30
+    h200 = 141 * gib
+    assert gpu_utilization(16 * gib, h200, device_staging=False) == round(
+        0.9 - PUSH_SCRATCH_BYTES / h200, 3)
+    # device staging: a full copy of the model per GPU comes out of vLLM's share
+    assert gpu_utilization(16 * gib, h200, device_staging=True) == round(
+        0.9 - (PUSH_SCRATCH_BYTES + 16 * gib) / h200, 3)
+    assert gpu_utilization(140 * gib, 80 * gib, device_staging=True) == 0.1  # floored
+
+
+def test_side_ops_and_worker_ops_share_one_name_space():
+    assert not {o.value for o in WorkerOp} & {o.value for o in SideOp}
