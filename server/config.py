@@ -121,6 +121,11 @@ class ServerSettings(BaseSettings):
         "host memory (pinned on a GPU server), outside the GPU budget; device: GPU memory, "
         "faster to load but a second copy of the model outside gpu_memory_utilization (a "
         "0.9-utilisation server runs out of memory); auto: host. gloo always stages on host.")
+    share_host_staging: bool = Field(
+        True, description="With TP > 1 on one host and host staging: the engine's first "
+        "worker receives each push into /dev/shm and the others read their shards from it, "
+        "so a host holds one staged copy, not one per worker (/dev/shm must hold the "
+        "model: Docker's default is 64 MB). Off: every worker receives and keeps its own.")
     data_plane_host: str | None = Field(
         None, description="Address the data-plane TCPStore listens on; default: `host`."
     )

@@ -44,6 +44,10 @@ class _FakeLLM:
                  "receive_error": None}]
 
 
+def _engine(llm: _FakeLLM) -> SimpleNamespace:
+    return SimpleNamespace(llm=llm, info=SimpleNamespace(workers=1, shared_staging=False))
+
+
 def _settings():
     return SimpleNamespace(connection_lease_s=LEASE_S, connect_timeout_max_s=10.0,
                            data_plane_host=None, host="127.0.0.1", data_plane_port=0,
@@ -116,8 +120,7 @@ def test_a_connection_dropped_by_a_failed_push_or_its_own_reconnect_counts_as_re
 def test_the_service_refuses_to_disconnect_under_a_push_over_that_connection():
     async def main():
         llm = _FakeLLM()
-        engine = SimpleNamespace(llm=llm)
-        svc = WeightService(engine, _settings(), metrics=None, boot_id="b")
+        svc = WeightService(_engine(llm), _settings(), metrics=None, boot_id="b")
         await svc.connect(_connect("a", "trainer-a"))
         begin = BeginRequest(version=1, transport="gloo", connection_id="a",
                              buckets=[{"index": 0, "nbytes": 4, "params": []}])
@@ -137,8 +140,7 @@ def test_a_push_its_trainer_gave_up_on_ends_at_that_trainers_next_connect():
     already aborted elsewhere: the trainer's reconnect ends it, where another
     trainer's connect is still refused (issue 20)."""
     async def main():
-        svc = WeightService(SimpleNamespace(llm=_FakeLLM()), _settings(), metrics=None,
-                            boot_id="b")
+        svc = WeightService(_engine(_FakeLLM()), _settings(), metrics=None, boot_id="b")
         failed = []
 
         async def on_failed(push, reason, outcome):

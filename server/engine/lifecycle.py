@@ -24,6 +24,7 @@ from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.generate.service import GenerateService
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
+from rollout_sidecar.server.weights.worker.host_share import receivers, shares_host_staging
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class EngineInfo:
     lm_head_dtype: str
     max_model_len: int
     vocab_size: int
-    workers: int = 1  # TP x PP x DP: this server's ranks in the data-plane group
+    workers: int = 1  # this server's ranks in the data-plane group (host_share.receivers)
+    shared_staging: bool = False  # TP workers share one staged copy (host_share.py)
     logprobs_mode: str = "raw_logprobs"  # as vLLM's model config holds it
 
 
@@ -93,13 +95,15 @@ class GenerationEngine:
         )
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         mc = self.llm.model_config
+        pc = self.llm.vllm_config.parallel_config
+        shared = shares_host_staging(pc, s)
         self.info = EngineInfo(
             model=str(self.model_path),
             dtype=str(mc.dtype).removeprefix("torch."),
             lm_head_dtype=str(mc.head_dtype).removeprefix("torch."),
             max_model_len=mc.max_model_len,
             vocab_size=mc.get_vocab_size(),
-            workers=self.llm.vllm_config.parallel_config.world_size_across_dp,
+            workers=receivers(pc, shared), shared_staging=shared,
             logprobs_mode=mc.logprobs_mode,
         )
 

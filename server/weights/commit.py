@@ -153,6 +153,12 @@ class TwoPhaseCommit:
         if adapter is not None:  # a fresh LoRA id; the versions requests hold stay loaded
             new = table.new(v)
             lora = {"lora_id": new.lora_id, "keep_ids": table.keep_ids(new, set(gate.leases))}
+        if push.req.delta_base is not None:
+            try:  # into the staged copies; the model is untouched either way
+                await ops.send(self.llm, WorkerOp.PATCH)
+            except Exception as e:
+                raise PushFailed(f"push rejected at load, version {gate.version} still "
+                                 f"serving: {e}") from e
         try:
             await ops.send(self.llm, WorkerOp.LOAD, **lora)
         except Exception as e:

@@ -56,9 +56,14 @@ class Connection:
 
 
 class DataPlane:
-    def __init__(self, llm: Any, settings: Any) -> None:
+    def __init__(self, llm: Any, settings: Any, receivers: int | None = None,
+                 shared: bool = False) -> None:
         self.llm = llm
         self.settings = settings
+        # This server's ranks in the group: its workers, or one per engine
+        # when they share a staged copy (worker/host_share.py).
+        self.receivers = receivers or llm.vllm_config.parallel_config.world_size_across_dp
+        self.shared = shared
         self.store: Any = None
         self.port = settings.data_plane_port
         self.owner: Connection | None = None
@@ -98,7 +103,7 @@ class DataPlane:
         """Called with the push lock held, and no push in progress."""
         now = time.monotonic()
         old = self.owner
-        workers = self.llm.vllm_config.parallel_config.world_size_across_dp
+        workers = self.receivers
         if req.fanout == "chain" and req.backend != "gloo":
             raise BadRequest("fanout chain relays host memory: gloo only (NCCL's broadcast "
                              "is already a pipelined ring)", "fanout")
@@ -124,7 +129,7 @@ class DataPlane:
             connection_id=req.connection_id, backend=req.backend, timeout_s=timeout,
             op_timeout_s=req.op_timeout_s,
             world_size=req.world_size, rank_offset=req.rank_offset,
-            staging=self.settings.weight_staging, fanout=req.fanout,
+            staging=self.settings.weight_staging, fanout=req.fanout, shared=self.shared,
             # Hex, to the workers only (StagedInitInfo keeps it out of its repr);
             # nothing logs this payload.
             secret=req.secret.get_secret_value() if req.secret is not None else None,

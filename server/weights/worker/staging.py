@@ -32,6 +32,9 @@ import torch
 from rollout_sidecar.client.protocol import BucketManifest, TensorSlot
 from rollout_sidecar.client.protocol.bucket_mac import BucketMac, same_tag
 from rollout_sidecar.client.protocol.wire_format import crc32, slot_bytes, slot_tensor, torch_dtype
+from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
+
+_UNMAPPED = torch.empty(0, dtype=torch.uint8)  # a follower's bucket between loads
 
 
 @dataclass
@@ -49,11 +52,16 @@ class StagedBucket:
 class Staging:
     buckets: list[StagedBucket] = field(default_factory=list)
     _pool: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # Set when the TP workers of one host share one staged copy (host_share.py):
+    # the leader's buffers are files there; a follower maps them at a load.
+    shared: SharedBuffers | None = None
 
     def allocate(self, manifest: list[BucketManifest], device: torch.device) -> None:
         """Lay out buffers for a manifest, reusing last push's where sizes
         match, and free the pooled buffers it does not use."""
         self.release()
+        if self.shared is not None:
+            return self._allocate_shared(manifest)
         pool, self._pool = self._pool, {}
         for b in manifest:
             pooled = pool.get(b.nbytes)
@@ -65,21 +73,53 @@ class Staging:
             self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf))
         # What is left in `pool` goes with it.
 
+    def _allocate_shared(self, manifest: list[BucketManifest]) -> None:
+        s = self.shared
+        assert s is not None
+        for b in manifest:  # a follower maps the leader's buffers at the load
+            buf = s.buffer(b.index, b.nbytes) if s.leader else _UNMAPPED
+            self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf))
+        if s.leader:
+            s.keep_only({b.index for b in manifest})
+
+    def attach(self) -> None:
+        """A follower: map the leader's buffers of this layout, afresh."""
+        if self.shared is not None and not self.shared.leader:
+            for b in self.buckets:
+                b.buffer = self.shared.attach(b.index, b.nbytes)
+
+    def detach(self) -> None:
+        """A follower: unmap them again (the leader may replace them)."""
+        if self.shared is not None and not self.shared.leader:
+            for b in self.buckets:
+                b.buffer = _UNMAPPED
+            self.shared.drop()
+
     @property
     def held_bytes(self) -> int:
-        """Bytes of buffers held: the staged push's and the pool's."""
+        """Bytes of buffers held: the staged push's and the pool's (shared
+        ones by their leader alone: a follower's maps are the same memory)."""
+        if self.shared is not None:
+            return self.shared.nbytes if self.shared.leader else 0
         return sum(b.nbytes for b in self.buckets) + sum(
             t.numel() for ts in self._pool.values() for t in ts)
 
     def release(self) -> None:
-        """Forget the staged push; its buffers go back to the pool."""
-        for b in self.buckets:
-            self._pool.setdefault(b.nbytes, []).append(b.buffer)
+        """Forget the staged push; its buffers go back to the pool (shared
+        ones stay mapped by the leader, by bucket index)."""
+        if self.shared is not None:
+            self.detach()
+        else:
+            for b in self.buckets:
+                self._pool.setdefault(b.nbytes, []).append(b.buffer)
         self.buckets = []
 
     def drop_pool(self) -> None:
+        """Forget the buffers too: a receive may still write into them."""
         self.release()
         self._pool.clear()
+        if self.shared is not None:
+            self.shared.drop()
 
     def check(self, expected: list[int]) -> None:
         """Every bucket arrived and matches the trainer's checksum, or raise."""

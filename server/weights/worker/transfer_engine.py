@@ -10,10 +10,13 @@ CRC-checked set of buckets; the load itself is all-or-nothing (reload.py).
 base of the next delta.
 
 Blocking work (joining the trainer's group, receiving buckets) runs in
-background threads, so the engine core keeps scheduling generation meanwhile.
-A thread's current CUDA device is its own and starts at device 0, so every
-thread that runs a collective sets this worker's device first (with TP >= 2
-every worker would otherwise put its NCCL communicator on GPU 0).
+background threads (bucket_receive.py), so the engine core keeps scheduling
+generation meanwhile; each sets this worker's CUDA device first.
+
+Roles: when the TP workers of one host share a staged copy (host_share.py),
+the first worker (the leader) joins the group, receives, checks and patches;
+the others (followers) take part in every op but only map the leader's
+buffers at the load. Otherwise every worker is its own leader.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,23 +35,25 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rollout_sidecar.client.protocol import BucketManifest
-from rollout_sidecar.client.protocol.bucket_group import (
-    broadcast_group,
-    close_group,
-    receive_bucket,
-)
-from rollout_sidecar.client.protocol.bucket_mac import BucketMac, parse_secret
-from rollout_sidecar.client.protocol.wire_format import crc32
+from rollout_sidecar.client.protocol.bucket_group import broadcast_group, close_group
+from rollout_sidecar.client.protocol.bucket_mac import parse_secret
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.worker.adapter_loading import (
     split_adapter,
     stage_adapter,
+)
+from rollout_sidecar.server.weights.worker.bucket_receive import (
+    Receive,
+    receive_broadcast,
+    receive_chain,
+    use_device,
 )
 from rollout_sidecar.server.weights.worker.fault_injection import (
     apply_test_faults,
     corrupt_arrived,
     crash_after_load,
 )
+from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
 from rollout_sidecar.server.weights.worker.patching import ResidentCopy, apply_patches
 from rollout_sidecar.server.weights.worker.reload import LoadRefused, load_all_or_nothing
 from rollout_sidecar.server.weights.worker.staging import Staging
@@ -71,6 +77,7 @@ class StagedInitInfo(WeightTransferInitInfo):
     # so no log of this dataclass shows it. None: an older trainer, CRC only.
     secret: str | None = field(default=None, repr=False)
     bucket_macs: bool = False  # with the secret: every bucket carries a tag
+    shared: bool = False  # one staged copy per engine: its leader alone joins (host_share.py)
 
     @property
     def key(self) -> bytes | None:
@@ -96,6 +103,7 @@ class StagedUpdateInfo(WeightTransferUpdateInfo):
     adapter: dict | None = None  # RECEIVE/ALLOCATE: a LoRA adapter push's AdapterSpec
     lora_id: int | None = None  # LOAD of an adapter push: its vLLM LoRA id
     keep_ids: list[int] | None = None  # LOAD of an adapter push: the ids kept loaded
+    shared_dir: str | None = None  # RECEIVE/ALLOCATE: the host's shared staging (host_share.py)
 
 
 class _Joiner(threading.Thread):
@@ -120,17 +128,6 @@ class _Joiner(threading.Thread):
             self.error = f"{type(e).__name__}: {e}"
 
 
-class _Receive(threading.Thread):
-    """One push's receive: its thread, the group it reads and its error, kept
-    apart from the next push's (a stale receive on a dropped group may end
-    late, and must not fail a push that came after it)."""
-
-    def __init__(self, group: Any, run: Any) -> None:
-        super().__init__(target=lambda: run(self), daemon=True, name="rollout-sidecar-recv")
-        self.group = group
-        self.error: BaseException | None = None
-
-
 class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo]):
     init_info_cls = StagedInitInfo
     update_info_cls = StagedUpdateInfo
@@ -145,7 +142,9 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.resident = ResidentCopy()
         self._push: StagedUpdateInfo | None = None  # the push's RECEIVE/ALLOCATE
         self._joiner: _Joiner | None = None
-        self._receiver: _Receive | None = None  # this push's, once it receives
+        self._receiver: Receive | None = None  # this push's, once it receives
+        self._follows: StagedInitInfo | None = None  # a follower's connection
+        self._patched = False  # a delta's patches are in the staged copy (PATCH)
         self._checked = False
 
     # ------------------------------------------------------------ side channel
@@ -160,7 +159,9 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     def _state(self) -> dict:
         j = self._joiner
-        if j is None:
+        if self._follows is not None:  # nothing to join: the leader receives
+            conn = {"state": "connected", "id": self._follows.connection_id}
+        elif j is None:
             conn = {"state": "none"}
         elif j.group is not None:
             conn = {"state": "connected", "id": j.info.connection_id}
@@ -183,7 +184,13 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     def init_transfer_engine(self, init_info: StagedInitInfo) -> None:
         """Start joining the trainer's group and return at once."""
         self.shutdown()
-        self._joiner = _Joiner(init_info, self._worker_rank(), self.device)
+        if init_info.shared and not self._leads:
+            self._follows = init_info
+            return
+        # Shared: one data-plane rank per engine, its leader's.
+        rank = self.parallel_config.data_parallel_index if init_info.shared \
+            else self._worker_rank()
+        self._joiner = _Joiner(init_info, rank, self.device)
         self._joiner.start()
 
     def _worker_rank(self) -> int:
@@ -191,6 +198,17 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         # across data-parallel groups, TP x PP ranks within each.
         pc = self.parallel_config
         return pc.data_parallel_index * pc.world_size + pc.rank
+
+    @property
+    def _leads(self) -> bool:
+        """Whether this worker would lead its engine's shared staging."""
+        return self.parallel_config.rank == 0
+
+    @property
+    def _follower(self) -> bool:
+        """This push's buffers are another worker's (host_share.py)."""
+        shared = self.staging.shared
+        return shared is not None and not shared.leader
 
     @property
     def _error(self) -> BaseException | None:
@@ -208,6 +226,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         # A joiner still blocked in the rendezvous ends by its own timeout.
         self._join_receiver(timeout=1.0)
         self._drop_group()
+        self._follows = None
 
     def _drop_group(self) -> None:
         # Aborted, not left to the garbage collector: a receive still blocked
@@ -237,6 +256,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     def start_weight_update(self) -> None:
         self._receiver = None  # a stale one ends alone, on its dropped group
         self._checked = False
+        self._patched = False
         self._push = None
         self.patches.release()  # the staged copy stays: a delta may apply to it
 
@@ -252,16 +272,26 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     def receive_weights(self, info: StagedUpdateInfo) -> None:
         op = WorkerOp(info.op)
+        if op in (WorkerOp.ALLOCATE, WorkerOp.RECEIVE):
+            self._share(info.shared_dir)
+        if self._follower and op in (WorkerOp.RECEIVE, WorkerOp.STAGE, WorkerOp.CHECK):
+            # The leader receives and checks; a follower only keeps the layout.
+            if op is WorkerOp.RECEIVE:
+                self._allocate(info, torch.device("cpu"))
+            self._checked = op is WorkerOp.CHECK
+            return
         if op is WorkerOp.ALLOCATE:
             self._allocate(info, torch.device("cpu"))
         elif op is WorkerOp.RECEIVE:
             if self.group is None:
                 raise RuntimeError("data plane not connected; call /weights/connect first")
             self._allocate(info, self._staging_device(info))
-            self._receiver = _Receive(self.group, self._receive_all)
+            self._receiver = Receive(self.group, self._receive_all)
             self._receiver.start()
         elif op is WorkerOp.STAGE:
             self._stage_http(info)
+        elif op is WorkerOp.PATCH:
+            self._patch()
         elif op is WorkerOp.CHECK:
             if not self._join_receiver(timeout=info.timeout_s):
                 raise TimeoutError(f"buckets still arriving after {info.timeout_s:.0f}s")
@@ -276,11 +306,27 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         elif op is WorkerOp.LOAD:
             if not self._checked:
                 raise RuntimeError("load before every bucket arrived and passed its CRC")
-            if self._push is not None and self._push.adapter is not None:
-                self._load_adapter(info)
-            else:
-                self._load()
+            self.staging.attach()  # a follower maps the leader's buffers
+            self.patches.attach()
+            try:
+                if self._push is not None and self._push.adapter is not None:
+                    self._load_adapter(info)
+                else:
+                    self._load()
+            finally:
+                self.staging.detach()
+                self.patches.detach()
             crash_after_load(self._worker_rank())
+
+    def _share(self, shared_dir: str | None) -> None:
+        """Stage in the host's shared buffers from now on, or not (host_share.py)."""
+        if shared_dir is None or self.staging.shared is not None:
+            return
+        directory = Path(shared_dir) / f"dp{self.parallel_config.data_parallel_index}"
+        self.staging.drop_pool()
+        self.patches.drop_pool()
+        self.staging.shared = SharedBuffers(directory, "staging", self._leads)
+        self.patches.shared = SharedBuffers(directory, "patches", self._leads)
 
     def _allocate(self, info: StagedUpdateInfo, device: torch.device) -> None:
         if info.delta_base is not None:
@@ -293,19 +339,25 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             self.staging.allocate(_manifest(info), device)
         self._push = info
 
-    def _load(self) -> None:
-        """Apply a delta into the staged copy (which then holds neither
-        version until the load ends), then load every staged tensor."""
-        base, version = self._delta_base, self._push.version if self._push else None
-        if base is not None:
-            try:
-                self.resident.require(base)
-            except ValueError as e:
-                raise LoadRefused(str(e)) from e
-            self.resident.version = None
+    def _patch(self) -> None:
+        """Apply a delta into the staged copy, which then holds neither version
+        until the load ends; a step of its own before the load, so that no
+        follower reads the leader's copy half patched. The model is untouched."""
+        base = self._delta_base
+        if base is None or not self._checked:
+            raise RuntimeError("patch: no checked delta push is staged")
+        self.resident.require(base)
+        self.resident.version = None
+        if not self._follower:
             apply_patches(self.patches, self.staging)
-        else:
-            self.resident.version = None
+        self._patched = True
+
+    def _load(self) -> None:
+        """Load every staged tensor (a delta's patched in by PATCH)."""
+        version = self._push.version if self._push else None
+        if self._delta_base is not None and not self._patched:
+            raise LoadRefused("a delta's load needs its patches applied first (PATCH)")
+        self.resident.version = None
         weights = apply_test_faults(self.staging.tensors(), self.model_config.model,
                                     self._worker_rank())
         load_all_or_nothing(self.model, self.model_config, weights)
@@ -359,61 +411,14 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             return self.device
         return torch.device("cpu")
 
-    def _receive_all(self, rx: _Receive) -> None:
-        if self._joiner.info.fanout == "chain":
-            return self._receive_chain(rx)
-        try:
-            use_device(self.device, self.backend)
-            pending = None
-            bounce = host_copy = None
-            key = self._joiner.info.mac_key
-            incoming = self.incoming
-            if incoming.buckets and self.backend == "nccl":
-                size = max(b.nbytes for b in incoming.buckets)
-                if incoming.buckets[0].buffer.is_cpu:  # host staging: through the device
-                    bounce = torch.empty(size, dtype=torch.uint8, device=self.device)
-                else:  # device staging: CRC'd here, from a host copy, not at CHECK
-                    host_copy = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            for b in incoming.buckets:
-                target = b.buffer if bounce is None else bounce[: b.nbytes]
-                work = self.group.broadcast(target)
-                # Checksum (and tag) the previous bucket while this one arrives.
-                if pending is not None:
-                    _digest(pending, key, host_copy)
-                work.wait()
-                if bounce is not None:
-                    b.buffer.copy_(target)  # synchronous: the next broadcast reuses it
-                b.received = True
-                pending = b
-            if pending is not None:
-                _digest(pending, key, host_copy)
-        except BaseException as e:  # reported by SideOp.STATE and WorkerOp.CHECK
-            rx.error = e
-            log.warning("weight receive failed: %s", e)
-
-    def _receive_chain(self, rx: _Receive) -> None:
-        """Each bucket from the previous rank, forwarded to the next; its CRC
-        runs over each piece while the next one arrives."""
+    def _receive_all(self, rx: Receive) -> None:
         j = self._joiner
-        key = j.info.mac_key
-        try:
-            for b in self.incoming.buckets:
-                crc = 0
-                mac = BucketMac(key) if key is not None else None
-
-                def add(piece: torch.Tensor, mac: BucketMac | None = mac) -> None:
-                    nonlocal crc
-                    crc = crc32(piece, crc)
-                    if mac is not None:
-                        mac.update(piece)
-
-                receive_bucket(self.group, b.buffer, j.rank, j.info.world_size, "chain", add)
-                b.checksum = crc
-                b.mac = mac
-                b.received = True
-        except BaseException as e:  # reported by SideOp.STATE and WorkerOp.CHECK
-            rx.error = e
-            log.warning("weight receive failed: %s", e)
+        if j.info.fanout == "chain":
+            receive_chain(rx.group, self.incoming.buckets, j.rank, j.info.world_size,
+                          j.info.mac_key)
+        else:
+            receive_broadcast(rx.group, self.incoming.buckets, self.backend, self.device,
+                              j.info.mac_key)
 
     def _stage_http(self, info: StagedUpdateInfo) -> None:
         if info.bucket is None or info.data is None:
@@ -456,26 +461,6 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         if self._receiver is not None:
             self._receiver.join(timeout)
         return not self._receiving()
-
-
-def _digest(b: Any, key: bytes | None, host_copy: torch.Tensor | None) -> None:
-    """A bucket's CRC (and tag) on arrival, in the receive thread while the
-    next bucket arrives: a device bucket through one reused pinned host copy,
-    so the check (on the worker's main thread) has nothing left to copy."""
-    data = b.buffer
-    if not data.is_cpu:
-        assert host_copy is not None
-        data = host_copy[: b.nbytes]
-        data.copy_(b.buffer)
-    b.checksum = crc32(data)
-    b.mac = BucketMac(key).update(data) if key is not None else None
-
-
-def use_device(device: torch.device, backend: str) -> None:
-    """Make `device` this thread's current CUDA device (each thread starts on
-    device 0): NCCL puts a collective's communicator on the current device."""
-    if backend == "nccl" and device.type == "cuda":
-        torch.cuda.set_device(device)
 
 
 def _manifest(info: StagedUpdateInfo) -> list[BucketManifest]:
