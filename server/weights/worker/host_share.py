@@ -23,6 +23,8 @@ must hold the staged copy: Docker caps it at 64 MB unless `shm_size` is set
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -47,17 +49,48 @@ def receivers(parallel_config: Any, shared: bool) -> int:
         parallel_config.world_size_across_dp
 
 
-def staging_root(boot_id: str) -> Path:
-    """This server's shared staging directory, removed when it exits."""
-    return SHM / f"rollout-sidecar-{os.getpid()}-{boot_id}"
+class StagingRoot:
+    """This server's shared staging directory: created at start, removed at
+    exit, and held under an exclusive lock for the server's life, so that a
+    server starting later removes the directories of servers that died
+    without cleaning up (SIGKILL) and never one still running (a lock, not a
+    pid: containers sharing /dev/shm have pid namespaces of their own)."""
+
+    LOCK = "owner.lock"
+
+    def __init__(self, boot_id: str) -> None:
+        self.path = SHM / f"rollout-sidecar-{boot_id}"
+        self._lock_fd: int | None = None
+
+    def create(self) -> None:
+        for d in SHM.glob("rollout-sidecar-*"):
+            if d != self.path and _unowned(d):
+                shutil.rmtree(d, ignore_errors=True)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.path / self.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
-def remove_stale_roots() -> None:
-    """Directories of servers that died without cleaning up (SIGKILL)."""
-    for d in SHM.glob("rollout-sidecar-*-*") if SHM.is_dir() else []:
-        pid = d.name.split("-")[2]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(d, ignore_errors=True)
+def _unowned(directory: Path) -> bool:
+    """Whether no running server holds `directory`'s lock."""
+    try:
+        fd = os.open(directory / StagingRoot.LOCK, os.O_RDWR)
+    except OSError:
+        return True  # never locked: a server that died while creating it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class SharedBuffers:

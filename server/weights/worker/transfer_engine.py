@@ -22,21 +22,17 @@ buffers at the load. Otherwise every worker is its own leader.
 from __future__ import annotations
 
 import logging
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
-    WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
 from rollout_sidecar.client.protocol import BucketManifest
-from rollout_sidecar.client.protocol.bucket_group import broadcast_group, close_group
-from rollout_sidecar.client.protocol.bucket_mac import parse_secret
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.worker.adapter_loading import (
     split_adapter,
@@ -46,8 +42,8 @@ from rollout_sidecar.server.weights.worker.bucket_receive import (
     Receive,
     receive_broadcast,
     receive_chain,
-    use_device,
 )
+from rollout_sidecar.server.weights.worker.connection import Connection, StagedInitInfo
 from rollout_sidecar.server.weights.worker.fault_injection import (
     apply_test_faults,
     corrupt_arrived,
@@ -59,34 +55,6 @@ from rollout_sidecar.server.weights.worker.reload import LoadRefused, load_all_o
 from rollout_sidecar.server.weights.worker.staging import Staging
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StagedInitInfo(WeightTransferInitInfo):
-    store_host: str
-    store_port: int
-    connection_id: str
-    backend: str = "gloo"
-    timeout_s: float = 300.0  # forming the group
-    op_timeout_s: float | None = None  # each operation once formed (None: timeout_s)
-    world_size: int = 2
-    rank_offset: int = 1
-    staging: str = "auto"  # NCCL only: "device" stages in GPU memory, else pinned host
-    fanout: str = "broadcast"  # or "chain" (gloo): see client/protocol/bucket_group.py
-    # The connection's data-plane key, hex (bucket_mac.py): out of every repr,
-    # so no log of this dataclass shows it. None: an older trainer, CRC only.
-    secret: str | None = field(default=None, repr=False)
-    bucket_macs: bool = False  # with the secret: every bucket carries a tag
-    shared: bool = False  # one staged copy per engine: its leader alone joins (host_share.py)
-
-    @property
-    def key(self) -> bytes | None:
-        return parse_secret(self.secret) if self.secret is not None else None
-
-    @property
-    def mac_key(self) -> bytes | None:
-        """The key to tag arriving buckets with, if this connection tags them."""
-        return self.key if self.bucket_macs else None
 
 
 @dataclass
@@ -106,28 +74,6 @@ class StagedUpdateInfo(WeightTransferUpdateInfo):
     shared_dir: str | None = None  # RECEIVE/ALLOCATE: the host's shared staging (host_share.py)
 
 
-class _Joiner(threading.Thread):
-    """Joins the trainer's group; blocks until every rank does, or times out."""
-
-    def __init__(self, info: StagedInitInfo, worker_rank: int, device: torch.device) -> None:
-        super().__init__(daemon=True, name="rollout-sidecar-connect")
-        self.info = info
-        self.rank = info.rank_offset + worker_rank
-        self.device = device
-        self.group: Any = None
-        self.error: str | None = None
-
-    def run(self) -> None:
-        i = self.info
-        try:
-            use_device(self.device, i.backend)
-            self.group = broadcast_group(i.store_host, i.store_port, i.connection_id,
-                                         self.rank, i.world_size, i.backend, i.timeout_s,
-                                         i.key, i.op_timeout_s, device=self.device)
-        except BaseException as e:  # reported through SideOp.STATE
-            self.error = f"{type(e).__name__}: {e}"
-
-
 class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo]):
     init_info_cls = StagedInitInfo
     update_info_cls = StagedUpdateInfo
@@ -141,9 +87,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.patches = Staging()
         self.resident = ResidentCopy()
         self._push: StagedUpdateInfo | None = None  # the push's RECEIVE/ALLOCATE
-        self._joiner: _Joiner | None = None
+        self.connection = Connection()
         self._receiver: Receive | None = None  # this push's, once it receives
-        self._follows: StagedInitInfo | None = None  # a follower's connection
         self._patched = False  # a delta's patches are in the staged copy (PATCH)
         self._checked = False
 
@@ -158,19 +103,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         return self._state()
 
     def _state(self) -> dict:
-        j = self._joiner
-        if self._follows is not None:  # nothing to join: the leader receives
-            conn = {"state": "connected", "id": self._follows.connection_id}
-        elif j is None:
-            conn = {"state": "none"}
-        elif j.group is not None:
-            conn = {"state": "connected", "id": j.info.connection_id}
-        elif j.error is not None:
-            conn = {"state": "failed", "id": j.info.connection_id, "error": j.error}
-        else:
-            conn = {"state": "connecting", "id": j.info.connection_id}
         recv = "failed" if self._error else "running" if self._receiving() else "idle"
-        return {"connection": conn, "receive": recv,
+        return {"connection": self.connection.state(), "receive": recv,
                 "receive_error": str(self._error) if self._error else None,
                 "staged_bytes": self.staged_bytes}
 
@@ -184,14 +118,11 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     def init_transfer_engine(self, init_info: StagedInitInfo) -> None:
         """Start joining the trainer's group and return at once."""
         self.shutdown()
-        if init_info.shared and not self._leads:
-            self._follows = init_info
-            return
         # Shared: one data-plane rank per engine, its leader's.
         rank = self.parallel_config.data_parallel_index if init_info.shared \
             else self._worker_rank()
-        self._joiner = _Joiner(init_info, rank, self.device)
-        self._joiner.start()
+        self.connection.open(init_info, rank, self.device,
+                             follow=init_info.shared and not self._leads)
 
     def _worker_rank(self) -> int:
         # vLLM's numbering (nccl_common.worker_init_process_group): unique
@@ -216,24 +147,15 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     @property
     def group(self) -> Any:
-        return self._joiner.group if self._joiner is not None else None
+        return self.connection.group
 
     @property
     def backend(self) -> str:
-        return self._joiner.info.backend if self._joiner is not None else "gloo"
+        return self.connection.backend
 
     def shutdown(self) -> None:
-        # A joiner still blocked in the rendezvous ends by its own timeout.
         self._join_receiver(timeout=1.0)
-        self._drop_group()
-        self._follows = None
-
-    def _drop_group(self) -> None:
-        # Aborted, not left to the garbage collector: a receive still blocked
-        # on a dead trainer returns at once, and no gloo thread outlives it.
-        if self._joiner is not None:
-            close_group(self._joiner.group)
-        self._joiner = None
+        self.connection.close()
 
     # ------------------------------------------------------------------ session
 
@@ -387,7 +309,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     def _check_macs(self, info: StagedUpdateInfo) -> None:
         """With a connection secret, every bucket's tag must match: bytes the
         trainer that holds the secret did not send never load."""
-        j = self._joiner
+        j = self.connection.joiner
         key = j.info.mac_key if j is not None else None
         if info.macs is None or info.version is None:
             if key is not None:
@@ -407,12 +329,12 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         # goes through a one-bucket device buffer into pinned host memory.
         # Patches (a delta's, an adapter's) are small and applied on the host.
         small = info.delta_base is not None or info.adapter is not None
-        if self.backend == "nccl" and self._joiner.info.staging == "device" and not small:
+        if self.backend == "nccl" and self.connection.info.staging == "device" and not small:
             return self.device
         return torch.device("cpu")
 
     def _receive_all(self, rx: Receive) -> None:
-        j = self._joiner
+        j = self.connection.joiner
         if j.info.fanout == "chain":
             receive_chain(rx.group, self.incoming.buckets, j.rank, j.info.world_size,
                           j.info.mac_key)
@@ -453,7 +375,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         else:
             self.incoming.drop_pool()
             if rx.group is self.group:  # out of step with the trainer; a stale one's is gone
-                self._drop_group()
+                self.connection.drop_group()
         self.patches.release()
         self._push = None
 
