@@ -164,11 +164,15 @@ class Server:
 def serve(model: Path | None, log: Path, max_model_len: int = 512,
           ready_timeout_s: float = 600, env: dict[str, str] | None = None,
           cpus: str | None = None, prefix: list[str] | None = None,
-          host: str | None = None) -> Iterator[Server]:
+          host: str | None = None, own_session: bool = True) -> Iterator[Server]:
     """`rollout-sidecar serve` as a subprocess on free ports (the shared
     launcher, rollout_sidecar.server.launcher); always stopped on exit.
 
-    Its own session, so the vLLM engine process it spawns is stopped with it.
+    Its own session (unless `own_session` is false), so the vLLM engine
+    process it spawns is stopped with it; a TP >= 2 server in its own session
+    failed every push here (before this change too; docs/gpu.md), so the
+    staging bench starts those in ours (vLLM's processes die with the server
+    anyway: PR_SET_PDEATHSIG, server/weights/worker/vllm_plugin.py).
     `cpus` (a taskset list, e.g. "1") pins the server and its engine there,
     OpenMP threads included. `prefix` runs it inside something (a network
     namespace: netns.py), where it listens on every address and is reached at
@@ -176,7 +180,7 @@ def serve(model: Path | None, log: Path, max_model_len: int = 512,
     """
     launched = launch_server(
         log=log, model=model, max_model_len=max_model_len, cpus=cpus, prefix=prefix or (),
-        host=host, own_session=True, wait=False, args=["--log-level", "warning"],
+        host=host, own_session=own_session, wait=False, args=["--log-level", "warning"],
         env={"ROLLOUT_SIDECAR_CACHE_DIR": str(CACHE), **ENGINE_ENV, **(env or {})})
     with launched:  # stopped on exit, ready or not
         launched.wait_ready(ready_timeout_s)

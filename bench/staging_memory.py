@@ -58,7 +58,7 @@ def run(tp: int, shared: bool, args: argparse.Namespace, log_dir: Path) -> list[
            "ROLLOUT_SIDECAR_DTYPE": "float32",
            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[i % len(cpus)]) for i in range(tp))}
     name = f"tp{tp}-{'shared' if shared else 'per-worker'}"
-    with serve(None, log_dir / f"{name}.log", env=env) as srv:
+    with serve(None, log_dir / f"{name}.log", env=env, own_session=False) as srv:
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         info = httpx.get(srv.url + "/info", headers={
             "Authorization": f"Bearer {srv.api_token}"}).json()

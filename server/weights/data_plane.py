@@ -219,18 +219,21 @@ def _remember(ended: OrderedDict, key: str, value: Any) -> None:
         ended.popitem(last=False)
 
 
-def merge_states(replies: list[dict]) -> dict:
-    """One state from every worker's (worker_calls.py replies, rank order)."""
-    def named(r: dict, error: str | None) -> str | None:
-        return error if len(replies) == 1 or error is None else f"worker rank {r['rank']}: {error}"
+# A connection is as far along as its least advanced worker.
+_CONNECTION_ORDER = ("failed", "none", "connecting", "connected")
 
-    conns = [r["connection"] for r in replies]
-    conn = next((dict(c, error=named(r, c.get("error"))) for r, c in zip(replies, conns,
-                 strict=True) if c["state"] == "failed"), None)
-    if conn is None:
-        states = {c["state"] for c in conns}
-        conn = conns[0] if len(states) == 1 else next(
-            c for c in conns if c["state"] == ("connecting" if "connecting" in states else "none"))
+
+def merge_states(replies: list[dict]) -> dict:
+    """One state from every worker's (worker_calls.py replies, rank order):
+    the least advanced connection, a receive failed or running on any worker,
+    errors named by rank when there are several."""
+    def named(r: dict, error: str) -> str:
+        return error if len(replies) == 1 else f"worker rank {r['rank']}: {error}"
+
+    r, conn = min(((r, r["connection"]) for r in replies),
+                  key=lambda rc: _CONNECTION_ORDER.index(rc[1]["state"]))
+    if "error" in conn:
+        conn = dict(conn, error=named(r, conn["error"]))
     failed = next((r for r in replies if r["receive"] == "failed"), None)
     running = any(r["receive"] == "running" for r in replies)
     return {"connection": conn,

@@ -23,6 +23,7 @@ from rollout_sidecar.server.weights.worker.reload import UNTOUCHED
 log = logging.getLogger(__name__)
 
 _OPENS_SESSION = (WorkerOp.ALLOCATE, WorkerOp.RECEIVE)
+_SIDE_OPS = {o.value for o in SideOp}
 
 
 def run_call(worker: Any, op: str, payload: dict) -> dict:
@@ -33,7 +34,7 @@ def run_call(worker: Any, op: str, payload: dict) -> dict:
         engine = worker.weight_transfer_engine
         if engine is None:
             raise RuntimeError("weight transfer is not configured on this worker")
-        if op in SideOp._value2member_map_:
+        if op in _SIDE_OPS:
             data = engine.side_call(op, payload)
         else:
             data = _worker_op(worker, engine, WorkerOp(op), payload)
