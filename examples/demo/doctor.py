@@ -4,7 +4,8 @@ It starts the server exactly as `serve` would (every `serve` flag, passed on
 through the environment), then, in this process, plays a trainer: forms the
 weight data plane (NCCL when this process has a GPU of its own, gloo
 otherwise: NCCL refuses two ranks of one group on one GPU), pushes the
-checkpoint's own weights once, and probes the served logprobs against them.
+checkpoint's weights, moved by a seeded step, and probes the served logprobs
+against them.
 Each step prints what it found; the first that fails names itself and the
 command exits 1. A command of the demo package, since it uses both the server
 (to start it) and the trainer (to push), which never import each other.
@@ -113,6 +114,12 @@ def _push(server: Any, state: dict[str, Any]) -> str:
         torch.cuda.set_device(torch.device(device))
     info_model = server.info()["model"]
     model = AutoModelForCausalLM.from_pretrained(info_model, dtype=torch.float32).to(device)
+    # Moved off the checkpoint, so a push that did not land (or landed in
+    # part) cannot pass the probe by serving the checkpoint it started from.
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, device=device) * p.std() * 0.1)
     pusher = WeightPusher(server.url, admin_token=server.admin_token, transport=backend)
     try:
         r = pusher.push(model, version=st["weight_version"] + 1, probe=True)
