@@ -69,8 +69,9 @@ def test_the_server_cli_gets_the_demo_from_an_entry_point_without_importing_it()
             "sorted(m for m in sys.modules if m.startswith('rollout_sidecar.demo.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
-    # Only the command's light module (typer), never the launcher or the loop.
-    assert out == "['demo', 'serve'] ['rollout_sidecar.demo.cli']", out
+    # Only the commands' light modules (typer), never the launcher or the loop.
+    assert out == ("['demo', 'doctor', 'serve'] "
+                   "['rollout_sidecar.demo.cli', 'rollout_sidecar.demo.doctor']"), out
 
 
 def test_a_broken_plugin_command_is_skipped_with_a_warning(monkeypatch, capsys):
