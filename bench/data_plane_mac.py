@@ -90,7 +90,7 @@ def _run(rank: int, port: int, secret: bytes, nbytes: int, bucket: int, repeats:
                 times[mode].append(time.perf_counter() - t0)
     if rank == 0:
         out.send(times)
-    os._exit(0)  # skip interpreter teardown: gloo can abort there (pytorch#179291)
+    group.close()  # its gloo threads joined here, not left to interpreter exit
 
 
 def hash_rates(nbytes: int) -> dict[str, float]:

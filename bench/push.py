@@ -2,15 +2,22 @@
 
 For each model size, against a real server serving that checkpoint:
 
-1. bucketed push (`WeightPusher`, gloo): a warm-up push, then `--repeats`
-   timed pushes (median);
+1. bucketed dense push (`WeightPusher(delta=False)`, gloo): a warm-up push,
+   then `--repeats` timed pushes (median);
 2. extra peak RSS of the pushing process for each `--rss-buckets` size, each in
    a fresh process so the first push's buffer allocation is what is measured;
 3. (on `--per-param-sizes`) one HTTP request + one gloo send per parameter,
    TRL `vllm-serve`'s one-request-one-broadcast-per-param design;
-4. with the server stopped: a raw gloo send/recv of the same bucket layout
+4. (on `--delta-sizes`) the delta row: fp32 master weights take
+   `--delta-steps` AdamW steps, pushed after each dense and by delta
+   (_stepped_pushes.py), MiB sent and time of each form;
+5. with the server stopped: a raw gloo send/recv of the same bucket layout
    between two fresh processes, a torch `copy_` and a zlib CRC-32 of the same
-   bytes.
+   bytes, in the same run as the pushes they are compared with.
+
+Every push here but the delta row's is `delta=False`: the default pusher sends
+deltas, and a delta of weights that did not change sends nothing (this bench
+once printed "MiB 0" and a send 25x faster than raw gloo that way).
 
     /work/venv/bin/python bench/push.py [--sizes 10m,100m,500m]
 """
@@ -40,6 +47,9 @@ from _common import (
     serve,
     table,
 )
+from _stepped_pushes import HEADERS as DELTA_HEADERS
+from _stepped_pushes import SteppedRun, stepped_pushes
+from _stepped_pushes import row as delta_row
 
 MiB = 2**20
 DTYPE = torch.bfloat16  # what the server serves, so what goes over the wire
@@ -79,17 +89,26 @@ def timed_pushes(url: str, token: str, model: torch.nn.Module, version: int, rep
     from rollout_sidecar.trainer import WeightPusher
 
     pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=bucket_mb,
-                          probe=False)  # the transfer path alone; the probe is measured apart
+                          probe=False,  # the transfer path alone; the probe is measured apart
+                          delta=False)  # the same weights again: a delta would send nothing
     runs = []
     try:
         for i in range(repeats + 1):  # the first connects and allocates: warm-up
             r = pusher.push(model, version=version)
             version += 1
+            dense_only(r)
             if i:
                 runs.append(r.timings)
     finally:
         pusher.close()
     return runs, r.nbytes, r.buckets
+
+
+def dense_only(r: Any) -> None:
+    """Refuse a figure that is not a dense push's (a delta of unchanged weights
+    sends nothing and would read as a fast push)."""
+    if r.encoding != "dense":
+        raise RuntimeError(f"a {r.encoding} push where a dense one is measured")
 
 
 # ------------------------------------------------------------------ rank-0 RSS
@@ -104,7 +123,7 @@ def rss_child(ckpt: str, url: str, token: str, version: int, bucket_mb: float,
 
     model = load_trainer_model(Path(ckpt), getattr(torch, trainer_dtype))
     pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=bucket_mb,
-                          probe=False)  # the transfer path alone; the probe is measured apart
+                          probe=False, delta=False)  # dense, the transfer path alone
     # Return freed loader memory to the OS, so a push cannot hide in reused pages.
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     res: dict[str, Any] = {}
@@ -112,6 +131,7 @@ def rss_child(ckpt: str, url: str, token: str, version: int, bucket_mb: float,
         with PeakRss() as m:
             r = pusher.push(model, version=version)
         version += 1
+        dense_only(r)
         res[key] = dict(before=m.before, extra=m.extra, total_s=r.timings["total_s"],
                         method=m.method)
     pusher.close()
@@ -139,7 +159,7 @@ def per_param_push(url: str, token: str, model: torch.nn.Module, version: int) -
 
     # split_tensors=False: with a 1-byte bucket every parameter gets one of its own.
     pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=1e-6, probe=False,
-                          split_tensors=False)
+                          split_tensors=False, delta=False)
     pusher.push(model, version=version)  # connect + allocate outside the timing
     send = pusher.transport.send
     calls = 0
@@ -153,7 +173,7 @@ def per_param_push(url: str, token: str, model: torch.nn.Module, version: int) -
 
     pusher.transport.send = send_with_request
     t0 = time.perf_counter()
-    pusher.push(model, version=version + 1)
+    dense_only(pusher.push(model, version=version + 1))
     elapsed = time.perf_counter() - t0
     pusher.close()
     return elapsed, calls
@@ -259,6 +279,7 @@ class SizeResult:
     rss: dict[float, dict[str, Any]] = field(default_factory=dict)
     largest_tensor: int = 0
     per_param: tuple[float, int] | None = None
+    stepped: tuple[SteppedRun, SteppedRun] | None = None  # dense, delta
     wall_s: float = 0.0
 
 
@@ -285,6 +306,9 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> SizeResult
             v = server.weight_version() + 1
             res.per_param = per_param_push(server.url, server.admin_token, model, v)
             print(f"[{size}] per-param push: {res.per_param[0]:.2f}s", flush=True)
+        if size in args.delta_sizes:
+            res.stepped = delta_runs(server.url, server.admin_token, ckpt, args,
+                                     server.weight_version() + 1)
     layout = bucket_layout(model, args.bucket_mb)
     del model
     # The server is gone: the raw baselines get the CPU to themselves.
@@ -292,6 +316,24 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> SizeResult
     res.memcpy_s, res.crc_s = memcpy_and_crc(layout, args.repeats)
     res.wall_s = time.perf_counter() - t_start
     return res
+
+
+def delta_runs(url: str, token: str, ckpt: Path, args: argparse.Namespace,
+               version: int) -> tuple[SteppedRun, SteppedRun]:
+    """The same AdamW steps twice: pushed dense, then by delta."""
+    def load_model() -> torch.nn.Module:
+        return load_trainer_model(ckpt, torch.float32)  # fp32 master weights
+
+    runs = []
+    for delta in (False, True):
+        run, version = stepped_pushes(url, token, load_model, version, args.delta_steps,
+                                      args.delta_lr, args.bucket_mb, delta)
+        runs.append(run)
+        print(f"[{ckpt.name}] {'delta' if delta else 'dense'} pushes after steps: "
+              f"{run.encodings}, MiB "
+              f"{[round(n / MiB, 2) for n in run.nbytes]}, s "
+              f"{[round(t['total_s'], 3) for t in run.timings]}", flush=True)
+    return runs[0], runs[1]
 
 
 def report_rss(results: list[SizeResult]) -> None:
@@ -336,6 +378,20 @@ def report(results: list[SizeResult], args: argparse.Namespace) -> None:
     if any(r.rss for r in results):
         report_rss(results)
 
+    stepped = [r for r in results if r.stepped is not None]
+    if stepped:
+        print(f"\n== after real optimizer steps (fp32 master weights, AdamW lr {args.delta_lr:g}, "
+              f"{args.delta_steps} steps): dense (delta=False) vs delta (the default), "
+              f"bucket {args.bucket_mb:g} MiB, probe off; medians ==")
+        print(table(DELTA_HEADERS, [delta_row(r.size, args.delta_lr, *r.stepped)
+                                    for r in stepped]))
+        for r in stepped:
+            for e, why in zip(r.stepped[1].encodings, r.stepped[1].reasons, strict=True):
+                if e != "delta":
+                    print(f"{r.size}: a push with delta on went {e}: {why}")
+        print("push = begin..commit (total_s; a delta's diff included); push ratio = dense / "
+              "delta (> 1: the delta is faster)")
+
     rows = [[r.size, r.per_param[1], r.per_param[0], r.per_param[0] / r.per_param[1],
              r.push["total_s"], r.per_param[0] / r.push["total_s"]]
             for r in results if r.per_param is not None]
@@ -354,6 +410,10 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=256, help="bucket for the timed pushes")
     ap.add_argument("--rss-buckets", default="16,64,256", help="MiB, comma list; '' skips")
     ap.add_argument("--per-param-sizes", default="100m", help="sizes to run the baseline on")
+    ap.add_argument("--delta-sizes", default="10m,100m",
+                    help="sizes to run the delta row on (pushes after AdamW steps); '' skips")
+    ap.add_argument("--delta-steps", type=int, default=3)
+    ap.add_argument("--delta-lr", type=float, default=1e-6)
     ap.add_argument("--trainer-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="dtype of the pushed module (fp32 adds a cast while packing)")
     ap.add_argument("--threads", type=int, default=1,
@@ -365,6 +425,7 @@ def main() -> None:
     sizes = [s for s in args.sizes.split(",") if s]
     args.rss_buckets = [float(x) for x in args.rss_buckets.split(",") if x]
     args.per_param_sizes = {s for s in args.per_param_sizes.split(",") if s}
+    args.delta_sizes = {s for s in args.delta_sizes.split(",") if s}
 
     print(f"machine: {machine()}; torch threads in the pushing process: {args.threads}",
           flush=True)

@@ -81,7 +81,6 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: gloo can abort there (pytorch#179291)
 
 
 def run(args: argparse.Namespace, row_blocks: bool) -> list[dict]:

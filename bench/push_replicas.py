@@ -2,7 +2,8 @@
 
 Two real servers serve the same checkpoint, each pinned to its own core (as
 on its own node; `--shared-cores` lets them contend). One trainer pushes with
-`WeightPusher` (gloo) to replica A alone, then to A and B together (one
+`WeightPusher(delta=False)` (gloo; the same weights again would go as a
+delta of nothing) to replica A alone, then to A and B together (one
 group, all-or-nothing commit), with each fan-out: `broadcast` (gloo's
 binomial tree: rank 0 sends each bucket once per tree level) and `chain`
 (rank 0 sends it once; each receiver relays it to the next, piece by piece).
@@ -50,13 +51,15 @@ def timed(urls: list[str], token: str, model: torch.nn.Module, version: int, rep
           bucket_mb: float, fanout: str) -> tuple[dict[str, float], int]:
     from rollout_sidecar.trainer import WeightPusher
 
+    # delta=False: the same weights again would go as a delta of nothing.
     pusher = WeightPusher(urls, admin_token=token, transport="gloo", bucket_mb=bucket_mb,
-                          probe=False, fanout=fanout)
+                          probe=False, fanout=fanout, delta=False)
     runs = []
     try:
         for i in range(repeats + 1):  # the first connects and allocates: warm-up
             r = pusher.push(model, version=version)
             assert [o.weight_version for o in r.replicas] == [version] * len(urls), r.replicas
+            assert r.encoding == "dense", r.encoding
             version += 1
             if i:
                 runs.append(r.timings)

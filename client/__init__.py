@@ -15,6 +15,7 @@ _EXPORTS = {
     "GenerationClient": "rollout_sidecar.client.generation_client",
     "RetryPolicy": "rollout_sidecar.client.request_plans",
     "SidecarError": "rollout_sidecar.client.request_plans",
+    "LivenessPolicy": "rollout_sidecar.client.liveness",
     "ReplicaState": "rollout_sidecar.client.replica_pool",
     "GenerateRequest": "rollout_sidecar.client.protocol",
     "GenerateResponse": "rollout_sidecar.client.protocol",
@@ -24,7 +25,7 @@ _EXPORTS = {
 
 __all__ = [
     "AsyncGenerationClient", "GenerateRequest", "GenerateResponse", "GenerationClient",
-    "ReplicaState", "RetryPolicy", "Sample", "SamplingConfig", "SidecarError",
+    "LivenessPolicy", "ReplicaState", "RetryPolicy", "Sample", "SamplingConfig", "SidecarError",
 ]
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
         AsyncGenerationClient,
         GenerationClient,
     )
+    from rollout_sidecar.client.liveness import LivenessPolicy
     from rollout_sidecar.client.protocol import (
         GenerateRequest,
         GenerateResponse,

@@ -11,14 +11,18 @@ forms and replica_pool.py for which replica gets a request).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import os
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import httpx
 
+from rollout_sidecar.client.liveness import LivenessPolicy
+from rollout_sidecar.client.liveness_registry import client_liveness
 from rollout_sidecar.client.protocol import (
     GenerateRequest,
     GenerateResponse,
@@ -110,15 +114,19 @@ def _awaited(build: Callable[P, Job[T]]) -> Callable[Concatenate[Any, P], Awaita
 
 
 class _Replicated:
-    """What both clients hold: the retry policy, the timeouts and the replica pool."""
+    """What both clients hold: the retry policy, the timeouts, the replica
+    pool and its hold on the process-wide liveness verdicts."""
 
     def __init__(self, base_url: str | Sequence[str] | None, token: str | None,
                  timeout: float, retry: RetryPolicy | None, refresh_s: float,
-                 stall_timeout_s: float | None) -> None:
+                 stall_timeout_s: float | None, liveness: LivenessPolicy | None,
+                 transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None) -> None:
         self.retry = retry or RetryPolicy()
         # Each request sets its own read timeout (the stall bound); see request_plans.py.
         self.timeouts = Timeouts(timeout, stall_timeout_s)
-        self._pool = ReplicaPool(base_url or None, refresh_s=refresh_s)  # "": the default
+        self._liveness = client_liveness(liveness, self, transport, self._loop_probe())
+        self._pool = ReplicaPool(base_url or None, refresh_s=refresh_s,  # "": the default
+                                 liveness=self._liveness)
         token = token if token is not None else os.environ.get("ROLLOUT_SIDECAR_API_TOKEN")
         # No base_url: every request names its replica. No transport retries:
         # a connect error must move to another replica (see request_plans.py).
@@ -126,8 +134,16 @@ class _Replicated:
 
     def replicas(self) -> list[ReplicaState]:
         """Each replica's URL, requests outstanding from this client, last seen
-        weight_version, seconds it is still skipped for, and last error."""
+        weight_version, seconds it is still skipped for, last error, and
+        whether the process's liveness probe finds it frozen."""
         return self._pool.snapshot()
+
+    def _loop_probe(self) -> Callable[[str, float], None] | None:
+        return None
+
+    def _release_liveness(self) -> None:
+        if self._liveness is not None:
+            self._liveness.close()
 
 
 class GenerationClient(_Replicated):
@@ -139,19 +155,27 @@ class GenerationClient(_Replicated):
     down). Defaults to $ROLLOUT_SIDECAR_URL; the token to
     $ROLLOUT_SIDECAR_API_TOKEN. `transport` replaces httpx's, for every replica.
 
-    `stall_timeout_s`: every this long a request has not answered, its replica
-    must answer GET /health (within 5 s); one that does not is frozen: the
-    request goes to another replica, and it is skipped for
-    `retry.stall_down_s`. A replica that answers keeps the request however
-    long it runs. None: no check. `timeout`: every httpx bound, and no retry
-    starts after it (see request_plans.py).
+    `liveness`: while a request has waited a second on a replica, one thread
+    per replica for the whole process (shared by every client over the same
+    URL) asks its GET /health every 2 s, bounded by 2 s; unanswered twice, the
+    replica is frozen for every client: skipped until it answers again, and
+    each request waiting there is retried on another replica, so a frozen
+    replica is left within about 7 s (see liveness.py). None: no shared probe.
+    `stall_timeout_s`: besides, every this long a request has not answered,
+    its replica must answer GET /health (within 5 s); one that does not is
+    frozen: the request goes to another replica, and this client skips it
+    for `retry.stall_down_s`. None: no such check. A replica that answers
+    keeps the request however long it runs. `timeout`: every httpx bound,
+    and no retry starts after it (see request_plans.py).
     """
 
     def __init__(self, base_url: str | Sequence[str] | None = None, token: str | None = None,
                  timeout: float = 300.0, retry: RetryPolicy | None = None,
                  transport: httpx.BaseTransport | None = None, refresh_s: float = 30.0,
-                 stall_timeout_s: float | None = 30.0) -> None:
-        super().__init__(base_url, token, timeout, retry, refresh_s, stall_timeout_s)
+                 stall_timeout_s: float | None = 30.0,
+                 liveness: LivenessPolicy | None = LivenessPolicy()) -> None:
+        super().__init__(base_url, token, timeout, retry, refresh_s, stall_timeout_s,
+                         liveness, transport)
         self._http = httpx.Client(transport=transport, **self._http_kwargs)
 
     def _run(self, plan: Plan[T]) -> T:
@@ -181,10 +205,11 @@ class GenerationClient(_Replicated):
             return self._http.request(step.method, step.url, json=step.json, **step.kwargs)
 
         watch = step.watch
-        if watch is None:
+        shared = self._liveness.get(watch.replica) if watch and self._liveness else None
+        if watch is None or (watch.every_s is None and shared is None):
             return call()
         try:
-            return run_watched(call, lambda: self._probe(watch), watch.every_s)
+            return run_watched(call, lambda: self._probe(watch), watch.every_s, shared)
         except Silent as e:
             raise ReplicaFrozen.after(watch, e) from e.cause
 
@@ -197,6 +222,7 @@ class GenerationClient(_Replicated):
     wait_until_ready = _blocking(_api.wait_until_ready)
 
     def close(self) -> None:
+        self._release_liveness()
         self._http.close()
 
     def __enter__(self) -> GenerationClient:
@@ -212,11 +238,34 @@ class AsyncGenerationClient(_Replicated):
     def __init__(self, base_url: str | Sequence[str] | None = None, token: str | None = None,
                  timeout: float = 300.0, retry: RetryPolicy | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 refresh_s: float = 30.0, stall_timeout_s: float | None = 30.0) -> None:
-        super().__init__(base_url, token, timeout, retry, refresh_s, stall_timeout_s)
+                 refresh_s: float = 30.0, stall_timeout_s: float | None = 30.0,
+                 liveness: LivenessPolicy | None = LivenessPolicy()) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None  # the last one a call ran on
+        super().__init__(base_url, token, timeout, retry, refresh_s, stall_timeout_s,
+                         liveness, transport)
         self._http = httpx.AsyncClient(transport=transport, **self._http_kwargs)
 
+    def _loop_probe(self) -> Callable[[str, float], None]:
+        """A GET through this client's own transport, from the prober's
+        thread: sent on the loop of the client's last call (weakly held)."""
+        me = weakref.ref(self)
+
+        def probe(url: str, timeout_s: float) -> None:
+            client = me()
+            loop = client._loop if client is not None else None
+            if client is None or loop is None or loop.is_closed():
+                raise RuntimeError("no event loop to probe from yet")
+            sent = asyncio.run_coroutine_threadsafe(client._http.get(url, timeout=timeout_s),
+                                                    loop)
+            try:
+                sent.result(timeout_s + 5)  # its own timeout ends it first
+            except concurrent.futures.TimeoutError:
+                sent.cancel()
+                raise RuntimeError("event loop too busy to probe") from None
+        return probe
+
     async def _run(self, plan: Plan[T]) -> T:
+        self._loop = asyncio.get_running_loop()
         try:
             step = next(plan)
             while True:
@@ -241,10 +290,12 @@ class AsyncGenerationClient(_Replicated):
     async def _send(self, step: Send) -> httpx.Response:
         call = self._http.request(step.method, step.url, json=step.json, **step.kwargs)
         watch = step.watch
-        if watch is None:
+        shared = self._liveness.get(watch.replica) if watch and self._liveness else None
+        if watch is None or (watch.every_s is None and shared is None):
             return await call
         try:
-            return await run_watched_async(call, lambda: self._probe(watch), watch.every_s)
+            return await run_watched_async(call, lambda: self._probe(watch), watch.every_s,
+                                           shared)
         except Silent as e:
             raise ReplicaFrozen.after(watch, e) from e.cause
 
@@ -257,6 +308,7 @@ class AsyncGenerationClient(_Replicated):
     wait_until_ready = _awaited(_api.wait_until_ready)
 
     async def aclose(self) -> None:
+        self._release_liveness()
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncGenerationClient:

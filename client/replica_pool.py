@@ -3,7 +3,8 @@
 One rule, applied per request under a lock (the sync client is shared by
 threads; the async one by tasks of one loop, for which the lock is free):
 
-1. only replicas that are up (not marked down by a failure, see `mark_down`)
+1. only replicas that are up (not marked down by a failure, see `mark_down`,
+   nor found frozen by the process-wide liveness probe, see liveness.py)
    and not excluded for this request;
 2. with `min_weight_version`: only those known to hold it; if none is known
    to, those with the highest known version (a push usually reaches every
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from rollout_sidecar.client.liveness_registry import ClientLiveness
 from rollout_sidecar.client.protocol.endpoints import DNS_PREFIX, expand_urls, url_items
 
 # A forced re-resolution (every replica down) at most this often: many
@@ -57,6 +59,7 @@ class ReplicaState:
     weight_version: int | None
     down_for_s: float  # 0 when up
     last_error: str | None
+    frozen: bool = False  # the process's liveness probe gets no answer: skipped until it does
 
 
 class ReplicaPool:
@@ -65,11 +68,13 @@ class ReplicaPool:
     `urls`: anything `expand_urls` takes. A `dns+` name is re-resolved every
     `refresh_s` and when every replica is down; the caller does the lookup
     (`claim_refresh` then `refresh`) so the async client can run it off the
-    event loop.
+    event loop. `liveness`: the client's hold on the process-wide verdicts
+    (None: none); the pool keeps it holding exactly its replicas.
     """
 
     def __init__(self, urls: str | Sequence[str] | None, refresh_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 liveness: ClientLiveness | None = None) -> None:
         # Read $ROLLOUT_SIDECAR_URL once: a refresh re-resolves the same names.
         self._items = url_items(urls)
         self.uses_dns = any(u.startswith(DNS_PREFIX) for u in self._items)
@@ -79,6 +84,9 @@ class ReplicaPool:
         self._replicas = {u: Replica(u) for u in expand_urls(self._items)}
         self._resolved_at = clock()
         self._turn = 0
+        self.liveness = liveness
+        if liveness is not None:
+            liveness.track(self._replicas)
 
     # ------------------------------------------------------------------ choice
 
@@ -91,7 +99,7 @@ class ReplicaPool:
         with self._lock:
             now = self.clock()
             up = [r for r in self._replicas.values()
-                  if r.url not in exclude and r.down_until <= now]
+                  if r.url not in exclude and self._up(r, now)]
             if not up:
                 return None
             # Version first: a retry goes to another holder of the version if
@@ -101,6 +109,10 @@ class ReplicaPool:
             chosen = self._session_replica(session_key, eligible) or self._least_loaded(eligible)
             chosen.outstanding += 1
             return chosen.url
+
+    def _up(self, r: Replica, now: float) -> bool:
+        return r.down_until <= now and (self.liveness is None
+                                        or self.liveness.frozen(r.url) is None)
 
     def _session_replica(self, key: str | None, eligible: list[Replica]) -> Replica | None:
         # Rendezvous hashing over every replica, up or not: the key's replica
@@ -153,7 +165,7 @@ class ReplicaPool:
         not asked within `VERSION_PROBE_EVERY_S`. Claiming marks them asked."""
         with self._lock:
             now = self.clock()
-            up = [r for r in self._replicas.values() if r.down_until <= now]
+            up = [r for r in self._replicas.values() if self._up(r, now)]
             if any(r.weight_version is not None and r.weight_version >= min_version for r in up):
                 return []
             ask = [r for r in up if r.weight_version is None
@@ -163,11 +175,21 @@ class ReplicaPool:
             return [r.url for r in ask]
 
     def wait_s(self, exclude: frozenset[str] | set[str] = frozenset()) -> float:
-        """Seconds until the first replica not in `exclude` is up again."""
+        """Seconds until the first replica not in `exclude` is up again (a
+        frozen one: until it is probed again)."""
+        frozen = self.frozen_urls()
+        recheck = self.liveness.policy.every_s if self.liveness is not None else 0.0
         with self._lock:
             now = self.clock()
-            ups = [r.down_until for r in self._replicas.values() if r.url not in exclude]
+            ups = [max(r.down_until, now + recheck) if r.url in frozen else r.down_until
+                   for r in self._replicas.values() if r.url not in exclude]
             return max(0.0, min(ups, default=now) - now)
+
+    def frozen_urls(self) -> dict[str, str]:
+        """The replicas the process's liveness probe finds frozen, and why."""
+        if self.liveness is None:
+            return {}
+        return {u: why for u in self.urls() if (why := self.liveness.frozen(u)) is not None}
 
     def urls(self) -> list[str]:
         with self._lock:
@@ -178,8 +200,12 @@ class ReplicaPool:
         with self._lock:
             now = self.clock()
             return [ReplicaState(r.url, r.outstanding, r.weight_version,
-                                 max(0.0, r.down_until - now), r.last_error)
+                                 max(0.0, r.down_until - now), *self._error(r))
                     for r in self._replicas.values()]
+
+    def _error(self, r: Replica) -> tuple[str | None, bool]:
+        why = self.liveness.frozen(r.url) if self.liveness is not None else None
+        return (r.last_error, False) if why is None else (f"frozen: {why}", True)
 
     # -------------------------------------------------------------------- DNS
 
@@ -205,6 +231,8 @@ class ReplicaPool:
             return  # DNS trouble: the replicas we know are the best guess
         with self._lock:
             self._replicas = {u: self._replicas.get(u) or Replica(u) for u in urls}
+        if self.liveness is not None:
+            self.liveness.track(self.urls())
 
 
 def _holding(replicas: list[Replica], min_version: int | None) -> list[Replica]:

@@ -13,12 +13,18 @@ with one replica, or all down, the plan waits for the first to come back:
   502/503/504: the replica is skipped for what its `Retry-After` says (a
   draining or not-yet-ready server sets it), else an exponential backoff with
   full jitter;
-- a frozen replica: every `stall_timeout_s` a request has not answered, the
-  client asks the replica's GET /health (see stall_watch.py). No answer: the
-  request is given up, and the replica skipped for `RetryPolicy.stall_down_s`.
-  An answer: the replica is merely busy and keeps the request, however long
-  it runs (it is never sent again: that would start the generation over, on
-  what may by then be newer weights);
+- a frozen replica: the process-wide prober (liveness.py) asks GET /health of
+  every replica a request has waited on for a second, every 2 s; unanswered
+  twice, the replica is frozen for every client of the process: no request
+  goes there until it answers again, and each request waiting on it is given
+  up and retried elsewhere. Besides, every `stall_timeout_s` a request has not
+  answered, the client asks the replica's GET /health itself (see
+  stall_watch.py); no answer: the request is given up, and the replica skipped
+  by this client for `RetryPolicy.stall_down_s`. An answer to either: the
+  replica is merely busy and keeps the request, however long it runs (it is
+  never sent again: that would start the generation over, on what may by
+  then be newer weights). With every replica frozen, a request waits for one
+  to answer again, up to the client's `timeout`;
 - a connection reset mid-request (the server died or restarted): skipped for
   the backoff. Sending a call again after it may have reached a server is safe
   here: every call is a read or a fresh sampling request.
@@ -56,10 +62,18 @@ NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 class ReplicaFrozen(httpx.ReadTimeout):
-    """The replica stopped answering GET /health while the request ran."""
+    """The replica stopped answering GET /health while the request ran.
+    `shared`: found by the process-wide prober, whose verdict keeps it out of
+    every pick until it answers; else by the request's own check."""
+
+    shared = False
 
     @classmethod
     def after(cls, watch: Watch, silent: Silent) -> ReplicaFrozen:
+        if silent.verdict is not None:
+            frozen = cls(f"connected, then {silent.verdict}, by the process's liveness probe")
+            frozen.shared = True
+            return frozen
         return cls(f"connected, then silent for {watch.every_s:g}s; GET /health unanswered "
                    f"({type(silent.cause).__name__})")
 
@@ -123,12 +137,18 @@ def retry_after_s(response: httpx.Response) -> float | None:
 
 @dataclass(frozen=True)
 class Watch:
-    """While the request runs, GET `probe_url` (bounded by `probe_s`) every
-    `every_s`; no answer raises `ReplicaFrozen` at the plan's `yield`."""
+    """While the request runs on `replica`: given up if the process-wide
+    prober finds it frozen (liveness.py), and every `every_s` (None: never)
+    GET `probe_url` (bounded by `probe_s`); either raises `ReplicaFrozen` at
+    the plan's `yield`."""
 
-    probe_url: str
-    every_s: float
+    replica: str
+    every_s: float | None
     probe_s: float
+
+    @property
+    def probe_url(self) -> str:
+        return self.replica + "/health"
 
 
 @dataclass(frozen=True)
@@ -169,9 +189,8 @@ class Timeouts:
     def httpx(self) -> httpx.Timeout:
         return httpx.Timeout(self.total_s)
 
-    def watch(self, url: str) -> Watch | None:
-        return None if self.stall_s is None else Watch(url + "/health", self.stall_s,
-                                                       self.probe_s)
+    def watch(self, url: str) -> Watch:
+        return Watch(url, self.stall_s, self.probe_s)
 
     @property
     def probe_s(self) -> float:
@@ -220,8 +239,13 @@ class Call(Generic[T]):
             url = pool.pick(min_version=self.min_weight_version, session_key=self.session_key,
                             exclude=refused, tried=tried)
             if url is None:  # every candidate is down: look the name up again, or wait
-                if failures and set(pool.urls()) <= frozen | refused:
+                stuck = {u: f"frozen: {why}" for u, why in pool.frozen_urls().items()}
+                seen = {**stuck, **seen}
+                if failures and set(pool.urls()) <= frozen | refused | set(stuck):
                     raise _exhausted(*last, seen, refusal)  # nobody left to wait for
+                if pool.clock() > deadline:  # frozen all along: waited long enough
+                    error = None if failures or refusal else ReplicaFrozen("no replica answers")
+                    raise _exhausted(*(last if error is None else (error, None)), seen, refusal)
                 yield Resolve() if pool.claim_refresh(force=True) else Sleep(pool.wait_s(refused))
                 continue
             tried.add(url)
@@ -247,8 +271,8 @@ class Call(Generic[T]):
                 continue
             down_s, what = policy.delay(failures, response), _describe(error, response)
             if isinstance(error, ReplicaFrozen):
-                frozen.add(url)
-                down_s = policy.stall_down_s
+                frozen.add(url)  # the shared verdict keeps it out; its own check: stall_down_s
+                down_s = 0.0 if error.shared else policy.stall_down_s
                 what = f"frozen: {error}"
             elif isinstance(error, STALLED):
                 what = f"no answer within {timeouts.total_s:g}s"

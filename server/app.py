@@ -22,6 +22,7 @@ from rollout_sidecar.server.engine.warmup import warm_up
 from rollout_sidecar.server.errors import BadRequest, PushConflict, ServiceUnavailable
 from rollout_sidecar.server.generate import router as generate
 from rollout_sidecar.server.health import router as health
+from rollout_sidecar.server.listeners import Listeners
 from rollout_sidecar.server.metrics import router as metrics
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.middleware import DrainAndMeasure
@@ -44,10 +45,11 @@ def _error(status: int, message: str, field: str | None = None, detail: list | N
 
 
 def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = None,
-               model_path: Path | None = None) -> FastAPI:
+               model_path: Path | None = None, listeners: Listeners | None = None) -> FastAPI:
     """`model_path`: the checkpoint, if the caller resolved it already (see
-    model_source.py). `engine_factory` exists for unit tests that say they use
-    a fake engine."""
+    model_source.py). `listeners`: the ports `serve` holds (listeners.py); the
+    data plane binds its own without. `engine_factory` exists for unit tests
+    that say they use a fake engine."""
     factory = engine_factory or GenerationEngine
     app_metrics = ServerMetrics()
     boot_id = uuid.uuid4().hex[:12]
@@ -67,7 +69,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
                 await warm_up(engine)
             app.state.engine = engine
             app.state.weights = WeightService(engine, settings, app_metrics, boot_id)
-            app.state.weights.start()
+            app.state.weights.start(listeners.take_data_plane_fd() if listeners else None)
             stack.callback(app.state.weights.plane.stop)
             app.state.ready = True
             log.info("ready: weight_version=%d", engine.gate.version)

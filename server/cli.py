@@ -27,6 +27,7 @@ def serve(overrides: dict[str, Any]) -> None:
     from pydantic import ValidationError
 
     from rollout_sidecar.server.config import ServerSettings
+    from rollout_sidecar.server.listeners import PortUnavailable
     from rollout_sidecar.server.model.model_source import ModelSourceError
     from rollout_sidecar.server.serve import run_server
 
@@ -41,7 +42,7 @@ def serve(overrides: dict[str, Any]) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run_server(settings)
-    except ModelSourceError as e:
+    except (ModelSourceError, PortUnavailable) as e:
         raise typer.BadParameter(str(e), param_hint=e.option) from None
 
 

@@ -27,6 +27,10 @@ class ServerSettings(BaseSettings):
                       "vLLM binds all interfaces: a sidecar talks to its trainer over "
                       "localhost, and exposing it is a choice (the chart sets 0.0.0.0).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    http_fd: int | None = Field(
+        None, ge=0, description="Serve on this inherited TCP socket instead of binding `port` "
+        "(socket activation: a supervisor that picked the port holds it until the server "
+        "serves).")
     model: str | None = Field(
         None, description="A local HF checkpoint dir or a Hugging Face hub id (resolved as "
         "vLLM does: HF_HOME cache, HF_HUB_OFFLINE honoured); unset serves the embedded default "
@@ -65,9 +69,20 @@ class ServerSettings(BaseSettings):
         description="Fraction of GPU memory for weights + KV cache. Unset, on a GPU: vLLM's "
         "0.9 less what a push needs outside it (2 GiB of receive and load scratch, plus the "
         "model with weight_staging=device), divided by the GPU's memory; lower it when the "
-        "GPU is shared with a trainer. On CPU: the share of host memory vLLM-CPU reserves "
-        "unless VLLM_CPU_KVCACHE_SPACE is set; unset, 0.3.",
+        "GPU is shared with a trainer. On CPU, given explicitly: the share of host memory "
+        "vLLM-CPU reserves for its worker (the KV cache is that less the worker's RSS), "
+        "unless kv_cache_gib or VLLM_CPU_KVCACHE_SPACE is set; unset, the KV cache is sized "
+        "to the model (kv_cache_gib).",
     )
+    kv_cache_gib: float | None = Field(
+        None, gt=0, description="KV cache per worker, GiB (vLLM's kv_cache_memory_bytes); wins "
+        "over VLLM_CPU_KVCACHE_SPACE (removed from the engine's environment) and, on a GPU, "
+        "over gpu_memory_utilization's KV sizing. Unset, on CPU: VLLM_CPU_KVCACHE_SPACE if "
+        "set, else vLLM's host share if gpu_memory_utilization is given, else sized to the "
+        "model: 2 x layers x KV heads x head dim x dtype bytes per token, times "
+        "min(max_num_seqs, 8) x max_model_len in whole blocks, capped at 0.3 of host memory "
+        "(docs/deploy.md, \"KV cache on CPU\"). Unset, on a GPU: what "
+        "gpu_memory_utilization leaves.")
     max_num_seqs: int = Field(256, ge=1, description="Sequences batched at once (vLLM's "
                               "default on most GPUs).")
     max_sequences_per_request: int = Field(
@@ -113,6 +128,13 @@ class ServerSettings(BaseSettings):
     commit_policy: CommitPolicy = Field(
         "wait", description="In-flight requests at a weight commit: wait | abort | keep."
     )
+    engine_wait: Literal["nap", "spin"] = Field(
+        "nap", description="CPU only: how vLLM's engine core and workers wait for their next "
+        "message. nap: sleep ~0.1 ms between checks, which frees the GIL for the data plane "
+        "and avoids the sched_yield loop that stalled a process on a core shared by two "
+        "replicas; spin: vLLM's own loop for 1 s after each message, which hands its core "
+        "over to a CPU-bound process pinned to it more readily. A GPU server always waits as "
+        "vLLM does.")
     data_plane_port: int = Field(
         29600, ge=0, le=65535, description="TCPStore port trainers rendezvous on (gloo/NCCL)."
     )
@@ -129,6 +151,9 @@ class ServerSettings(BaseSettings):
     data_plane_host: str | None = Field(
         None, description="Address the data-plane TCPStore listens on; default: `host`."
     )
+    data_plane_fd: int | None = Field(
+        None, ge=0, description="The data plane's TCPStore listens on this inherited TCP "
+        "socket instead of binding `data_plane_port` (as `http_fd`).")
     push_timeout_s: float = Field(
         300.0, gt=0, description="The one deadline of a push, begin to commit; trainers "
         "read it from /weights/status and use it for their data-plane timeouts too."
@@ -139,8 +164,8 @@ class ServerSettings(BaseSettings):
     )
     connection_lease_s: float = Field(
         30.0, ge=0, description="A trainer's data-plane connection is its own for this long "
-        "after its last push call; another trainer's connect is refused within it (or takes "
-        "over with takeover=true)."
+        "after its last push call, or for the trainer's own stall bound if that is shorter; "
+        "another trainer's connect is refused within it (or takes over with takeover=true)."
     )
     connect_timeout_max_s: float = Field(
         300.0, gt=0, description="Cap on how long /weights/connect waits for the trainer to "

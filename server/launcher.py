@@ -1,6 +1,7 @@
-"""The one way to run `rollout-sidecar serve` as a subprocess: free ports,
-fresh tokens, its environment, a bounded wait for /ready (an error that shows
-the log's tail) and a stop that escalates from SIGTERM to SIGKILL.
+"""The one way to run `rollout-sidecar serve` as a subprocess: ports held from
+the start (bound here and passed to it, so nothing takes them while its engine
+starts), fresh tokens, its environment, a bounded wait for /ready (an error
+that shows the log's tail) and a stop that escalates from SIGTERM to SIGKILL.
 
 Used by the demo, the test fixtures and the benches. Light on purpose: it
 imports neither vLLM nor torch (the server it starts does), only the standard
@@ -27,11 +28,17 @@ from typing import Any
 
 import httpx
 
+from rollout_sidecar.server.listeners import PortUnavailable, bind_port, port_of
+
 API_TOKEN_ENV = "ROLLOUT_SIDECAR_API_TOKEN"
 ADMIN_TOKEN_ENV = "ROLLOUT_SIDECAR_ADMIN_TOKEN"
-# vLLM CPU otherwise reserves a large KV cache (GiB); 1 GiB holds every demo,
-# test and bench here. A value already in the environment wins.
-DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+# No VLLM_CPU_KVCACHE_SPACE: `serve` sizes the KV cache to the model itself
+# (server/engine/kv_cache_size.py); one in the environment or in `env` still wins.
+# faulthandler in the server and its engine process: a crash, or the SIGABRT
+# that `stop_process` sends one that ignored SIGTERM, prints every thread's
+# stack to the log.
+DEFAULT_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+STACK_DUMP_S = 5.0
 LOG_TAIL_CHARS = 4000
 
 
@@ -117,16 +124,33 @@ class ServerProcess:
         self.stop()
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process it spawned (the engine core, its helpers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
 def stop_process(proc: subprocess.Popen, timeout_s: float = 60,
                  own_session: bool = False) -> int | None:
-    """SIGTERM (a server drains, then shuts its engine down), SIGKILL after
-    `timeout_s`; with `own_session` (the process leads its group), whatever is
-    left of the group (the engine core) is killed too. Returns the exit code."""
+    """SIGTERM (a server drains, then shuts its engine down); after
+    `timeout_s`, SIGABRT (with PYTHONFAULTHANDLER, as `launch_server` sets it,
+    the stuck process's stacks go to its log), then SIGKILL; with `own_session`
+    (the process leads its group), whatever is left of the group (the engine
+    core) is killed too. Returns the exit code."""
     if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(STACK_DUMP_S)
             proc.kill()
     if own_session:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -145,13 +169,15 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
                   ready_timeout_s: float = 300) -> ServerProcess:
     """Start `python -m rollout_sidecar.server.cli serve` with its output in `log`.
 
-    Ports: free ones unless given. Tokens: `api_token`/`admin_token`, else the
-    ones in `env`, else fresh random ones; they reach the server through its
-    environment only (never argv). Environment: this process's, then
-    `DEFAULT_ENV` where unset, then `env` (which wins). `args`: more `serve`
-    flags. `cpus` (a taskset list, e.g. "1") pins the server and its OpenMP
-    threads; `prefix` runs it inside something (a network namespace), where
-    it listens on every address and is reached at `host`. `own_session`: its
+    Ports: free ones unless given, bound here and passed to the server as
+    sockets (`--http-fd`, `--data-plane-fd`; not inside `prefix`). Tokens:
+    `api_token`/`admin_token`, else the ones in `env`, else fresh random ones;
+    they reach the server through its environment only (never argv).
+    Environment: this process's, then `DEFAULT_ENV` where unset, then `env`
+    (which wins). `args`: more `serve` flags. `cpus` (a taskset list, e.g.
+    "1") pins the server and its OpenMP threads; `prefix` runs it inside
+    something (a network namespace), where it listens on every address and
+    is reached at `host`. `own_session`: its
     own process group, so `stop()` also kills what it spawned. `wait`: block
     until /ready (else call `wait_ready()` later).
     """
@@ -163,20 +189,40 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
         full_env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     if host is not None:
         full_env["ROLLOUT_SIDECAR_HOST"] = "0.0.0.0"
-    port = port or free_port()
-    data_plane_port = data_plane_port or free_port()
+    held: list[socket.socket] = []
+    fds: list[str] = []
+    if prefix:  # its own network namespace: nothing else binds there
+        port = port or free_port()
+        data_plane_port = data_plane_port or free_port()
+    else:  # held from now on (listeners.py), passed to the server, closed here
+        host_env = full_env.get("ROLLOUT_SIDECAR_HOST", "127.0.0.1")
+        try:
+            held.append(bind_port(host_env, port or 0, "port"))
+            held.append(bind_port(full_env.get("ROLLOUT_SIDECAR_DATA_PLANE_HOST", host_env),
+                                  data_plane_port or 0, "data_plane_port"))
+        except PortUnavailable as e:
+            for sock in held:
+                sock.close()
+            raise ServerStartError(f"{e.option}: {e}") from e
+        port, data_plane_port = (port_of(sock) for sock in held)
+        fds = ["--http-fd", str(held[0].fileno()), "--data-plane-fd", str(held[1].fileno())]
     cmd = [*prefix, *(["taskset", "-c", cpus] if cpus is not None else []),
            sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
-           "--data-plane-port", str(data_plane_port)]
+           "--data-plane-port", str(data_plane_port), *fds]
     cmd += ["--model", str(model)] if model is not None else []
     cmd += ["--dtype", dtype] if dtype is not None else []
     cmd += ["--max-model-len", str(max_model_len)] if max_model_len is not None else []
     cmd += list(args)
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=own_session)
+    try:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=own_session,
+                                    pass_fds=[sock.fileno() for sock in held])
+    finally:
+        for sock in held:  # the server's copies hold the ports now
+            sock.close()
     server = ServerProcess(f"http://{host or '127.0.0.1'}:{port}", port, data_plane_port, api,
                            admin, proc, log, full_env, own_session)
     if wait:

@@ -9,6 +9,7 @@ import uvicorn
 
 from rollout_sidecar.server.app import create_app
 from rollout_sidecar.server.config import ServerSettings
+from rollout_sidecar.server.listeners import open_listeners
 from rollout_sidecar.server.model.model_source import check_max_model_len, resolve_model
 
 log = logging.getLogger("rollout_sidecar.server")
@@ -30,13 +31,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(settings: ServerSettings) -> None:
-    """Resolve and check the model first (errors name the flag, before any
-    engine starts), then serve."""
+    """Hold both ports and resolve and check the model first (errors name the
+    flag, before any engine starts), then serve."""
+    listeners = open_listeners(settings)
     path = resolve_model(settings)
     check_max_model_len(path, settings)
-    app = create_app(settings, model_path=path)
+    app = create_app(settings, model_path=path, listeners=listeners)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         timeout_graceful_shutdown=int(settings.drain_timeout_s), access_log=False,
     )
-    DrainingServer(config, app).run()
+    # asyncio listens on the bound socket when uvicorn starts serving.
+    DrainingServer(config, app).run(sockets=[listeners.http])

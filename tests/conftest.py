@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from rollout_sidecar.server.launcher import free_port, launch_server, stop_process
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 __all__ = ["REPO", "Server", "free_port", "run_torchrun", "start_server", "stop_server"]
@@ -60,14 +60,13 @@ def run_torchrun(worker: Path, args: list[str], srv: Server, nproc: int = 2) -> 
     """`worker` under torchrun (gloo ranks on this machine), with `srv`'s
     tokens in the environment and the repo importable; fails the test with
     the ranks' output if any rank fails."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--master-port", str(free_port()), str(worker), *args],
+    proc = processes.run(
+        processes.torchrun(worker, args, nproc),
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                      [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
                  ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
                  ROLLOUT_SIDECAR_API_TOKEN=srv.api_token),
-        capture_output=True, text=True, timeout=600)
+        timeout_s=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 

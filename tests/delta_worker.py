@@ -83,7 +83,6 @@ def main() -> None:
     from rollout_sidecar.trainer.delta.delta_push import DeltaPush, Opening
     from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
     from rollout_sidecar.trainer.pack.sender import BucketSender
-    from tests.fidelity.fidelity_worker import exit_without_teardown
     from tests.test_split_buckets import LoopbackTransport, index_of, plan_of
 
     ap = argparse.ArgumentParser()
@@ -173,7 +172,6 @@ def main() -> None:
             json.dump(report, f)
     dist.barrier()
     dist.destroy_process_group()
-    exit_without_teardown()  # gloo threads may abort a teardown (pytorch#179291)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import warnings
 
 import torch
@@ -120,7 +119,6 @@ def main() -> None:
             json.dump(report, f)
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: gloo can abort there (pytorch#179291)
 
 
 if __name__ == "__main__":

@@ -53,8 +53,8 @@ class Fleet:
     """Fake replicas, one per host name, each serving `versions[host]`.
 
     `script[host]` holds what that host answers first (responses or
-    exceptions to raise) to anything but the client's version probe (GET
-    /info), before it behaves normally. Like the real server,
+    exceptions to raise) to anything but the client's version and liveness
+    probes (GET /info, /health), before it behaves normally. Like the real server,
     a replica behind `min_weight_version` answers 409 naming that field."""
 
     def __init__(self, **versions: int) -> None:
@@ -68,13 +68,13 @@ class Fleet:
     def handler(self, request: httpx.Request) -> httpx.Response:
         host, path = request.url.host, request.url.path
         self.calls.append((host, path))
-        if self.script[host] and path != "/info":
+        if self.script[host] and path not in ("/info", "/health"):
             item = self.script[host].pop(0)
             if isinstance(item, Exception):
                 raise item
             return item
         version = self.versions[host]
-        if path == "/ready":
+        if path in ("/ready", "/health"):
             return httpx.Response(200, json={"status": "ok"})
         if path == "/info":
             return httpx.Response(200, json=info(version))
@@ -115,8 +115,10 @@ class FakeTime:
 
     def attach(self, client: GenerationClient | AsyncGenerationClient, urls: object,
                refresh_s: float = 30.0) -> None:
-        # The pool is the client's private part; a fresh one on the fake clock.
-        client._pool = ReplicaPool(urls, refresh_s=refresh_s, clock=self.clock)
+        # The pool is the client's private part; a fresh one on the fake clock,
+        # with the client's hold on the shared liveness verdicts.
+        client._pool = ReplicaPool(urls, refresh_s=refresh_s, clock=self.clock,
+                                   liveness=client._liveness)
 
 
 @pytest.fixture

@@ -9,26 +9,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests import processes
+from tests.conftest import REPO
 
 WORKER = Path(__file__).with_name("delta_worker.py")
 
 
 def run(tmp_path: Path, wrap: str, *flags: str) -> dict:
     out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(WORKER), "--out", str(out), "--wrap", wrap,
-         *flags],
+    proc = processes.run(
+        processes.torchrun(WORKER, ["--out", str(out), "--wrap", wrap, *flags]),
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])),
-        capture_output=True, text=True, timeout=300)
+        timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

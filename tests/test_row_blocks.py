@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO, free_port
+from tests import processes
+from tests.conftest import REPO
 
 WORKER = Path(__file__).with_name("row_blocks_worker.py")
 BUCKET = 1024
@@ -19,12 +18,12 @@ BUCKET = 1024
 
 def run(tmp_path: Path, *flags: str) -> dict:
     out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-         "--master-port", str(free_port()), str(WORKER), "--out", str(out), *flags],
+    # The agent binds its own rendezvous port; a deadline that dumps stacks.
+    proc = processes.run(
+        processes.torchrun(WORKER, ["--out", out, *flags], nproc=3),
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])),
-        capture_output=True, text=True, timeout=300)
+        timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

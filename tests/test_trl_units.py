@@ -3,7 +3,6 @@ no trainer run. The real GRPOTrainer runs are tests/integrations/test_trl.py."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import warnings
 from types import SimpleNamespace
@@ -18,6 +17,7 @@ from rollout_sidecar.trainer.integrations.trl import (
     push_target,
     repeats,
 )
+from tests import processes
 
 
 def trainer(temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
@@ -31,7 +31,7 @@ def trainer(temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=
 def test_import_needs_no_trl():
     code = ("import sys, rollout_sidecar.trainer.integrations.trl; "
             "assert not {'trl', 'transformers'} & set(sys.modules), 'imported eagerly'")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert processes.run([sys.executable, "-c", code], timeout_s=120).returncode == 0
 
 
 def test_repeats_groups_equal_neighbours():

@@ -54,6 +54,7 @@ from rollout_sidecar.trainer.probe import Forward, probe_push
 from rollout_sidecar.trainer.push_config import PushConfig, probe_arguments
 from rollout_sidecar.trainer.push_result import PushResult
 from rollout_sidecar.trainer.rank_agreement import agree, any_rank, broadcast, rank
+from rollout_sidecar.trainer.release import close_parts, close_when_gone
 from rollout_sidecar.trainer.transport.base import Transport
 from rollout_sidecar.trainer.transport.distributed import DistributedTransport
 from rollout_sidecar.trainer.transport.http_upload import HttpUploadTransport
@@ -108,6 +109,8 @@ class WeightPusher:
             self.transport = HttpUploadTransport(self.replicas) if c.transport == "http" else \
                 DistributedTransport(self.replicas, c.transport, c.data_plane_host, c.takeover,
                                      c.lease_wait_s, c.fanout, c.authenticate_buckets)
+        # Closed once collected, or at interpreter exit, if the caller never does.
+        close_when_gone(self, self.transport, self.replicas, self._sender)
 
     @property
     def _two_phase(self) -> TwoPhaseCommit:
@@ -326,11 +329,13 @@ class WeightPusher:
         """Release the data-plane connection on every replica (a few seconds at
         most, best effort: it never raises for a server that is down), so the
         next pusher, in this process or a restarted one, connects at once;
-        then drop this side's group and HTTP clients. Idempotent."""
-        if self.transport is not None:
-            self.transport.close()
-        if self.replicas is not None:
-            self.replicas.close()
+        then end this side of the data plane for good: the group destroyed in
+        this thread (its gloo threads joined), a join still running waited
+        for, the send buffers freed, the HTTP clients closed. Nothing of it
+        is left to interpreter exit, where a gloo thread can abort the
+        process. Idempotent; a pusher never closed is closed once collected,
+        or at interpreter exit (release.py)."""
+        close_parts(self.transport, self.replicas, self._sender)
 
     def __enter__(self) -> WeightPusher:
         return self

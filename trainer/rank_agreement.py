@@ -6,7 +6,8 @@ raised, and block there until the process group's timeout. So each step that
 rank 0 runs alone goes through `agree`: its result, or its error as a
 `(kind, message)` pair (errors.py), is broadcast, and every rank returns the
 same value or raises the same exception type. Outside torch.distributed, or
-with one rank, these are plain calls.
+with one rank, these are plain calls. The collectives are `settled`
+(collectives.py): a rank may exit right after a push.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from rollout_sidecar.trainer.collectives import broadcast_object, device, settled
 from rollout_sidecar.trainer.errors import WeightPushError, from_kind, kind_of
 
 T = TypeVar("T")
@@ -55,9 +57,7 @@ def broadcast(obj: T) -> T:
     """Rank 0's `obj` on every rank (pickled: keep it small)."""
     if _single():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_object(obj, src=0)
 
 
 def any_rank(flag: bool) -> bool:
@@ -65,8 +65,6 @@ def any_rank(flag: bool) -> bool:
     on its own shard (a meta-device parameter lives on one rank only)."""
     if _single():
         return flag
-    dev = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([int(flag)], device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([int(flag)], device=device())
+    settled(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), [t])
     return bool(t.item())

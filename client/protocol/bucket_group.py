@@ -76,6 +76,12 @@ class DataPlaneGroup:
     def abort(self) -> None:
         self.pg.abort()
 
+    def close(self) -> None:
+        """End the group now, in this thread (`close_group` says why). Idempotent."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            close_group(pg)
+
 
 def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_size: int,
                     backend: str, timeout_s: float, secret: bytes | None = None,
@@ -147,10 +153,15 @@ def _barrier(group: Any, backend: str, device: torch.device | None) -> None:
 
 
 def close_group(group: Any) -> None:
-    """Abort the group's pending work and connections now. Left to the garbage
-    collector, a group with a broken peer could be destroyed at interpreter
-    exit with a gloo thread still joinable, which kills the process (SIGABRT:
-    "terminate called without an active exception")."""
+    """Abort the group's pending work and connections: NCCL aborts its
+    communicators. gloo has no abort (ProcessGroupGloo keeps the base class's
+    no-op, and its shutdown too): its threads end in its destructor, when the
+    last reference goes, which waits for queued work (each bounded by the op
+    timeout) and joins them, the GIL released. Left to interpreter exit, a
+    worker that still has to release a tensor's PyObject waits for the GIL
+    after finalization began, and CPython's pthread_exit inside its C++
+    destructor aborts the process (SIGABRT, "terminate called without an
+    active exception"); `DataPlaneGroup.close` drops that reference at once."""
     if group is None:
         return
     with contextlib.suppress(Exception):

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -174,12 +172,8 @@ def main() -> None:
     if rank == 0:
         bar.close()
         _write_report(args.out, records, vars(args), setup_s)
+    pusher.close()  # the server's data plane is free for the next trainer at once
     dist.destroy_process_group()
-    # Skip interpreter finalisation, where gloo worker threads may still hold
-    # tensors and abort the process (pytorch/pytorch#179291): all is written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 class _progress:

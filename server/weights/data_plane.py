@@ -5,7 +5,9 @@ A trainer connects under a connection id; the vLLM worker joins that group in
 a background thread, so generation goes on while the server waits for the
 trainer, and a trainer that never joins costs a bounded wait, not a frozen
 engine. The connection is the trainer's for `connection_lease_s` after its last
-push call: another trainer's connect within it is refused with the owner named
+push call, or its own stall bound if shorter (a trainer silent longer than
+that is stalled by its own measure): another trainer's connect within it is
+refused with the owner named
 (or takes over with `takeover=true`); once taken over, the old trainer's next
 `begin` is refused, never left to hang on a dead group. The owner itself
 (same `trainer_id`) may reconnect at any time: it rebuilds the group of all
@@ -24,6 +26,7 @@ import datetime
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +44,14 @@ from rollout_sidecar.server.weights.ops import SideOp
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05
+POLL_S = 0.05  # the first wait between state polls, doubled up to POLL_MAX_S
+# Each poll is an RPC after which vLLM's worker busy-waits for 1 s. With
+# `engine_wait=spin` (and on GPU) that loop holds the GIL between sched_yields,
+# so polled every 50 ms the worker never idles and our join thread in the same
+# process waits for the GIL at every step of the rendezvous. A slow join is
+# polled every 2 s, so the worker idles half the time (engine/idle_wait.py
+# naps on CPU by default).
+POLL_MAX_S = 2.0
 REMEMBERED = 64  # ended connections remembered, for clear answers to late calls
 
 
@@ -53,6 +63,13 @@ class Connection:
     trainer_id: str | None = None
     # The trainer sent a data-plane secret: its prepares must carry bucket tags.
     authenticated: bool = False
+    # The trainer's own stall bound (its group's per-operation timeout): a
+    # trainer silent for longer is stalled by its own measure, so its lease
+    # ends then even when `connection_lease_s` is longer.
+    stall_s: float | None = None
+
+    def lease_s(self, setting: float) -> float:
+        return setting if self.stall_s is None else min(setting, self.stall_s)
 
 
 class DataPlane:
@@ -75,12 +92,15 @@ class DataPlane:
     def bind_host(self) -> str:
         return self.settings.data_plane_host or self.settings.host
 
-    def start(self) -> None:
+    def start(self, listen_fd: int | None = None) -> None:
+        """`listen_fd`: a socket bound to the port already (server/listeners.py),
+        which the store takes over and closes."""
         # The server hosts the rendezvous store: trainers come and go, it stays.
         try:
             self.store = torch.distributed.TCPStore(
                 self.bind_host, self.settings.data_plane_port, is_master=True,
-                wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+                wait_for_workers=False, timeout=datetime.timedelta(seconds=60),
+                master_listen_fd=listen_fd)
         except Exception as e:
             raise RuntimeError(f"data plane: cannot listen on {self.bind_host}:"
                                f"{self.settings.data_plane_port}: {e}") from e
@@ -99,8 +119,11 @@ class DataPlane:
                     "receive_error": str(e), "staged_bytes": 0}
         return merge_states(replies)
 
-    async def connect(self, req: ConnectRequest) -> ConnectResponse:
-        """Called with the push lock held, and no push in progress."""
+    async def connect(self, req: ConnectRequest,
+                      gone: Callable[[], Awaitable[bool]] | None = None) -> ConnectResponse:
+        """Called with the push lock held, and no push in progress. The wait for
+        the trainer's join ends early if `gone()` says its request went away
+        (the trainer died or gave up): the lock is the next trainer's at once."""
         now = time.monotonic()
         old = self.owner
         workers = self.receivers
@@ -114,8 +137,9 @@ class DataPlane:
         own = req.trainer_id is not None and old is not None and old.trainer_id == req.trainer_id
         if old is not None and old.id != req.connection_id and not (req.takeover or own):
             idle = now - old.last_active
-            if idle < self.settings.connection_lease_s:
-                left = self.settings.connection_lease_s - idle
+            lease = old.lease_s(self.settings.connection_lease_s)
+            if idle < lease:
+                left = lease - idle
                 raise PushConflict(
                     f"the data plane belongs to connection {old.id}, which pushed {idle:.0f}s "
                     "ago: another trainer is pushing to this server. If that trainer is gone, "
@@ -134,20 +158,26 @@ class DataPlane:
             # nothing logs this payload.
             secret=req.secret.get_secret_value() if req.secret is not None else None,
             bucket_macs=req.secret is not None and req.bucket_macs))
-        deadline = now + timeout
+        log.info("data-plane connect %s: waiting up to %.0fs for the trainer to join",
+                 req.connection_id, timeout)
+        deadline, pause = now + timeout, POLL_S
         while True:  # short RPCs: the engine core schedules generation in between
             conn = (await self.side(SideOp.STATE))["connection"]
             if conn["state"] == "connected":
                 break
-            if conn["state"] == "failed" or time.monotonic() > deadline:
+            left_us = gone is not None and await gone()
+            if conn["state"] == "failed" or left_us or time.monotonic() > deadline:
                 await self.side(SideOp.DISCONNECT)
                 if old is not None and old.id != req.connection_id:
                     _remember(self.released, old.id, None)  # its group went at CONNECT
-                why = conn.get("error") or f"the trainer did not join within {timeout:.0f}s"
+                why = conn.get("error") or (
+                    "the trainer went away before joining (its connect request closed)"
+                    if left_us else f"the trainer did not join within {timeout:.0f}s")
                 log.warning("data-plane connect %s failed: %s", req.connection_id, why)
                 raise PushConflict(f"connect {req.connection_id}: {why} (is the data-plane "
                                    f"port {self.port} reachable from the trainer?)")
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, POLL_MAX_S)
         if old is not None and old.id != req.connection_id:
             if own:
                 _remember(self.released, old.id, None)
@@ -155,7 +185,8 @@ class DataPlane:
                 _remember(self.replaced, old.id, req.connection_id)
         self.owner = Connection(req.connection_id, req.backend, time.monotonic(),
                                 req.trainer_id,
-                                authenticated=req.secret is not None and req.bucket_macs)
+                                authenticated=req.secret is not None and req.bucket_macs,
+                                stall_s=req.op_timeout_s)
         return ConnectResponse(connection_id=req.connection_id, backend=req.backend)
 
     def check_owner(self, connection_id: str | None) -> None:

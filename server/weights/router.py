@@ -56,7 +56,11 @@ router.add_api_route("/verify", probe, methods=["POST"], response_model=ProbeRes
 
 @router.post("/connect", response_model=ConnectResponse)
 async def connect(body: ConnectRequest, request: Request) -> ConnectResponse:
-    return await _svc(request).connect(body)
+    """Returns once the data-plane group formed. A trainer that dies (or gives
+    up) while the server waits for it to join ends the wait at once: its
+    request's connection closing is the signal, so the next trainer does not
+    wait out the join timeout."""
+    return await _svc(request).connect(body, gone=request.is_disconnected)
 
 
 @router.post("/disconnect", response_model=DisconnectResponse)

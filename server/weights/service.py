@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollout_sidecar.client.protocol import (
@@ -93,10 +94,10 @@ class WeightService:
         # Bound late: the session is built before the commit side that cleans up.
         await self.commits.on_failed(push, reason, outcome)
 
-    def start(self) -> None:
+    def start(self, listen_fd: int | None = None) -> None:
         if self.shared_root is not None:
             self.shared_root.create()
-        self.plane.start()
+        self.plane.start(listen_fd)
 
     async def stop(self) -> None:
         async with self.session.lock:
@@ -149,14 +150,16 @@ class WeightService:
             await self.session.fail(p, "superseded: its trainer connected again",
                                     outcome="aborted")
 
-    async def connect(self, req: ConnectRequest) -> ConnectResponse:
+    async def connect(self, req: ConnectRequest,
+                      gone: Callable[[], Awaitable[bool]] | None = None) -> ConnectResponse:
+        """`gone`: whether the trainer's connect request went away."""
         async with self.session.lock:
             await self._supersede(req.trainer_id)
             if (p := self.session.current) is not None:
                 owner = f" by connection {p.req.connection_id}" if p.req.connection_id else ""
                 raise PushConflict(f"push {p.push_id}{owner} is in progress: another trainer "
                                    "is pushing to this server; connect after it ends", 1.0)
-            return await self.plane.connect(req)
+            return await self.plane.connect(req, gone)
 
     async def disconnect(self, req: DisconnectRequest) -> DisconnectResponse:
         """A trainer done pushing releases the data plane at once."""

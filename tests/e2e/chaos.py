@@ -16,23 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from rollout_sidecar.client import GenerationClient, RetryPolicy
+from rollout_sidecar.server.launcher import process_tree
 
 PHASES = ("begin", "transfer", "prepare", "commit", "probe")
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process it spawned (the engine core, its helpers)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in (task / "children").read_text().split()]
-    return out
 
 
 class Freezer:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests import processes
 
 pytestmark = pytest.mark.slow
 STEPS = 12
@@ -25,7 +26,7 @@ def run_demo(tmp_path, push: bool, steps: int) -> dict:
            "--out-dir", str(out), "--seed", "0", "--push" if push else "--no-push"]
     env = dict(os.environ, ROLLOUT_SIDECAR_CACHE_DIR=os.environ.get(
         "ROLLOUT_SIDECAR_TEST_CACHE", str(tmp_path / "cache")))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    proc = processes.run(cmd, env=env, timeout_s=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "report.png").stat().st_size > 0
     return json.loads((out / "report.json").read_text())

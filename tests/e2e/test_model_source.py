@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from rollout_sidecar.server.model.default_model import write_default_model
+from tests import processes
 from tests.conftest import start_server, stop_server
 
 HUB_ID = "acme/tiny-llama-256"
@@ -39,9 +40,8 @@ def _env(hf_home) -> dict:
 
 
 def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_sidecar.server.cli", "serve", *args],
-                          env={**os.environ, **env, "COLUMNS": "200"}, capture_output=True,
-                          text=True, timeout=300)
+    return processes.run([sys.executable, "-m", "rollout_sidecar.server.cli", "serve", *args],
+                         env={**os.environ, **env, "COLUMNS": "200"}, timeout_s=300)
 
 
 def test_a_hub_id_serves_from_the_cache_at_the_models_own_length(hf_home, tmp_path):

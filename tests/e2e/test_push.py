@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests import processes
+from tests.conftest import REPO
 
 WORKER = Path(__file__).with_name("push_worker.py")
 pytestmark = pytest.mark.slow
@@ -32,17 +32,17 @@ def run_worker(server, mode: str, v: int, tmp_path: Path, check: bool = True,
                ) -> tuple[subprocess.CompletedProcess, dict | None]:
     """`url`: the replicas to push to (default: `server`, whose tokens are used)."""
     out = tmp_path / f"{mode}.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(WORKER), "--mode", mode, "--url", url or server.url,
-         "--model", str(server.model_path), "--out", str(out), "--version", str(v)],
+    proc = processes.run(
+        processes.torchrun(WORKER, ["--mode", mode, "--url", url or server.url,
+                                    "--model", str(server.model_path), "--out", str(out),
+                                    "--version", str(v)]),
         # The worker shares the FSDP wrapping of tests/fidelity: the repo root on the path,
         # ahead of the caller's (which may point rollout_sidecar at this checkout).
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                      [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
                  ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token,
                  ROLLOUT_SIDECAR_API_TOKEN=server.api_token, **(env or {})),
-        capture_output=True, text=True, timeout=600)
+        timeout_s=600)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"torchrun {mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -137,8 +137,25 @@ def test_a_push_under_rollouts_reaches_both_replicas_identically(pair, tmp_path)
     assert all(n == 0 for n in served_by.values())
 
 
+def settle(pair: Pair) -> int:
+    """Both replicas on one pushed version (>= 1), whatever an earlier test
+    left (a failed push, a restart): pushed here, in process, if not."""
+    versions = pair.versions()
+    if versions[0] == versions[1] >= 1:
+        return versions[0]
+    from rollout_sidecar.trainer import WeightPusher
+    from tests.reliability.conftest import model_of
+    from tests.reliability.oracle import VersionedWeights
+
+    v = max(versions) + 1
+    with WeightPusher(pair.url, admin_token=pair.a.admin_token, bucket_mb=1) as pusher:
+        pusher.push(VersionedWeights(model_of(pair.a)).load(v), version=v, probe=False)
+    assert pair.versions() == [v, v]
+    return v
+
+
 def test_replica_killed_mid_push_publishes_nowhere_then_rejoins(pair, tmp_path):
-    v = max(pair.versions())
+    v = settle(pair)  # a version B cannot serve once restarted
     _, proc, report = push(pair, tmp_path, "kill_replica",
                            env={"KILL_REPLICA_PID": str(pair.b.proc.pid)})
     assert report["error"] and pair.b.url in report["error"], report

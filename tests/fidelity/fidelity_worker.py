@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -262,17 +260,6 @@ def main() -> None:
             json.dump(report, f, indent=1)
     dist.barrier()  # neither rank tears the group down while the other still uses it
     dist.destroy_process_group()
-    exit_without_teardown()
-
-
-def exit_without_teardown() -> None:
-    """Exit 0 now, skipping interpreter finalisation: there, gloo worker threads
-    may still hold tensors and abort the process (SIGABRT, "terminate called
-    without an active exception"; pytorch/pytorch#179291). Seen about once per
-    CI run on a rank that had already written its report."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

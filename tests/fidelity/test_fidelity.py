@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import Server, free_port, start_server, stop_server
+from tests import processes
+from tests.conftest import Server, start_server, stop_server
 from tests.fidelity.zoo import FAMILIES, write_family
 
 pytestmark = pytest.mark.slow
@@ -76,14 +75,12 @@ def run_worker(fs: FamilyServer, tmp_path: Path, wrappers: str = "fsdp2",
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "report.json"
     s = fs.server
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(WORKER), "--url", s.url,
-         "--model", str(s.model_path), "--wrappers", wrappers, "--scenario", scenario,
-         "--out", str(out)],
+    proc = processes.run(
+        processes.torchrun(WORKER, ["--url", s.url, "--model", str(s.model_path), "--wrappers",
+                                    wrappers, "--scenario", scenario, "--out", str(out)]),
         env=dict(os.environ, ROLLOUT_SIDECAR_ADMIN_TOKEN=s.admin_token,
                  ROLLOUT_SIDECAR_API_TOKEN=s.api_token),
-        capture_output=True, text=True, timeout=600)
+        timeout_s=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     runs = json.loads(out.read_text())["runs"]
     for run in runs:  # the closing note's table is printed from these lines

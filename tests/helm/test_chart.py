@@ -233,6 +233,14 @@ def test_gpu_off_by_default_and_requested_when_asked(render) -> None:
     assert gpu["requests"]["memory"] == "8Gi"  # the other defaults stay
 
 
+def test_kv_cache_left_to_the_server_unless_set(render) -> None:
+    """Unset, the server sizes its KV cache itself: no KV variable reaches it."""
+    default = env(server_container(render()))
+    assert not {"ROLLOUT_SIDECAR_KV_CACHE_GIB", "VLLM_CPU_KVCACHE_SPACE"} & set(default)
+    given = env(server_container(render(server={"kvCacheGib": 2.5})))
+    assert given["ROLLOUT_SIDECAR_KV_CACHE_GIB"]["value"] == "2.5"
+
+
 @pytest.mark.parametrize(
     ("model", "expected_path", "claim"),
     [

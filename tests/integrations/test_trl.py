@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import processes
 from tests.conftest import REPO, free_port, start_server, stop_server
 
 WORKER = Path(__file__).with_name("trl_worker.py")
@@ -43,16 +43,14 @@ def srv(tmp_path_factory):
 
 def launch(mode: str, tmp: Path) -> list[str]:
     """The command that starts the worker's ranks."""
-    port = str(free_port())
     if mode == "one":
         return [sys.executable, str(WORKER)]
     if mode == "ddp":  # torchrun's ranks; TrainingArguments(use_cpu) makes accelerate's state
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", port, str(WORKER)]
+        return processes.torchrun(WORKER)
     if mode == "fsdp2":  # accelerate's FSDP2 plugin: DDP on CPU (not in CI, see above)
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(REPO / "examples/trl/fsdp2_cpu.yaml"), "--main_process_port", port,
-                str(WORKER)]
+                str(REPO / "examples/trl/fsdp2_cpu.yaml"), "--main_process_port",
+                str(free_port()), str(WORKER)]
     raise ValueError(mode)
 
 
@@ -66,7 +64,7 @@ def run(srv, tmp: Path, mode: str, *args: str) -> list[dict]:
                    "PYTHONPATH")])]))
     cmd = [*launch(mode, tmp), "--model", str(srv.model_path), "--out", str(out),
            "--steps", str(STEPS), "--temperature", str(TEMPERATURE), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = processes.run(cmd, env=env, timeout_s=600)
     if proc.returncode != 0:
         raise AssertionError(f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]

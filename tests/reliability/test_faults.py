@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -205,6 +208,37 @@ def test_a_connect_nobody_joins_does_not_hold_generation(reliable, trainer):
     assert "did not join" in error or "timeout" in error, error
     v = served_version(reliable)
     assert push_next(reliable, trainer).version == v + 1  # the trainer reconnects
+
+
+def test_a_trainer_killed_while_joining_frees_the_plane_at_once(reliable, trainer):
+    """A trainer process SIGKILLed while the server waits for it to join (its
+    connect asked for the longest wait the server allows): the server ends the
+    wait because the request's connection closed, not because a timeout ran
+    out, and the next trainer's push goes through."""
+    ghost = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import httpx, os; httpx.post(os.environ['URL'] + '/weights/connect', json={"
+            "'connection_id': 'killed', 'timeout_s': 600, 'takeover': True}, headers={"
+            "'Authorization': 'Bearer ' + os.environ['TOKEN']}, timeout=600)")],
+        env=dict(os.environ, URL=reliable.url, TOKEN=reliable.admin_token,
+                 PYTHONFAULTHANDLER="1"), start_new_session=True)
+    try:
+        # Killed once its connect is in: the worker is waiting for it to join.
+        deadline = time.monotonic() + 60
+        while "data-plane connect killed: waiting" not in _log(reliable):
+            assert time.monotonic() < deadline and ghost.poll() is None
+            time.sleep(0.1)
+    finally:
+        ghost.kill()
+        ghost.wait(30)
+    v = served_version(reliable)
+    assert push_next(reliable, trainer).version == v + 1
+    assert "data-plane connect killed failed: the trainer went away before joining" in \
+        _log(reliable)
+
+
+def _log(server) -> str:
+    return server.log.read_text(errors="replace")
 
 
 def test_a_load_failing_mid_commit_serves_nothing_until_a_push_succeeds(reliable, trainer):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from rollout_sidecar.trainer import ServerRestartedError, WeightPusher
+from tests import processes
 from tests.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -41,11 +41,11 @@ def small(tmp_path_factory):
 
 def test_the_openapi_contract_holds_under_fuzzing(small):
     cli = Path(sys.executable).with_name("schemathesis")
-    proc = subprocess.run(
+    proc = processes.run(
         [str(cli), "--config-file", str(CONFIG), "run", f"{small.url}/openapi.json",
          "--checks", "all", "--max-examples", "50", "--seed", "1", "--no-color"],
         env=dict(os.environ, RS_API_TOKEN=small.api_token, RS_ADMIN_TOKEN=small.admin_token),
-        capture_output=True, text=True, timeout=900)
+        timeout_s=800)
     summary = [ln for ln in proc.stdout.splitlines() if "generated" in ln or "passed" in ln]
     print("FUZZ", *summary[-2:])
     assert proc.returncode == 0, proc.stdout[-6000:]

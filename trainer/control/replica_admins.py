@@ -59,8 +59,15 @@ class ReplicaAdmins:
 
         if len(self.admins) == 1:
             return [one(0)]
-        with ThreadPoolExecutor(len(self.admins)) as pool:
-            return list(pool.map(one, range(len(self.admins))))
+        try:
+            with ThreadPoolExecutor(len(self.admins)) as pool:
+                return list(pool.map(one, range(len(self.admins))))
+        except RuntimeError as e:
+            # At interpreter exit (a pusher closed then, trainer/release.py) no pool
+            # takes work any more: one replica after the other.
+            if "shutdown" not in str(e):
+                raise
+            return [one(i) for i in range(len(self.admins))]
 
     def all(self, call: Callable[[WeightAdminClient, int], T], what: str) -> list[T]:
         """Like `each`, but raise naming every replica that failed."""

@@ -12,6 +12,9 @@ only rank 0's generator yields.
 One payload per rank and bucket, int64-aligned:
     [m] [m x (tensor, start, count)] [positions of the patch entries] [values]
 with each entry's values padded to 8 bytes.
+
+The collectives are `settled` (trainer/collectives.py): no gloo thread is
+left holding a payload when the push returns.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.distributed as dist
 
 from rollout_sidecar.client.protocol import BucketManifest
 from rollout_sidecar.client.protocol.delta_codec import Patch, PatchForm, from_positions
+from rollout_sidecar.trainer.collectives import device, settled
 from rollout_sidecar.trainer.delta.patch_plan import TensorPlan
 from rollout_sidecar.trainer.delta.shard_copy import LocalChange, ShardCopy
 from rollout_sidecar.trainer.delta.shard_pieces import Piece
@@ -33,9 +37,7 @@ def _distributed() -> bool:
 
 
 def _comm_device() -> torch.device:
-    if _distributed() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return device() if _distributed() else torch.device("cpu")
 
 
 class DeltaDiff:
@@ -62,7 +64,8 @@ class DeltaDiff:
             return local.unsqueeze(0)
         dev = _comm_device()
         out = [torch.empty_like(local, device=dev) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, local.to(dev))
+        mine = local.to(dev)
+        settled(lambda: dist.all_gather(out, mine, async_op=True), [*out, mine])
         return torch.stack([o.cpu() for o in out])
 
     def _entry(self, t: int, plan: TensorPlan) -> tuple[int, torch.Tensor | None, torch.Tensor]:
@@ -100,15 +103,15 @@ class DeltaDiff:
         dev, world = _comm_device(), dist.get_world_size()
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
         sizes = [torch.empty_like(size) for _ in range(world)]
-        dist.all_gather(sizes, size)
+        settled(lambda: dist.all_gather(sizes, size, async_op=True), [*sizes, size])
         n = [int(s) for s in sizes]
         padded = torch.zeros(max(n), dtype=torch.uint8, device=dev)
         padded[: payload.numel()].copy_(payload)
         if dist.get_rank() != 0:
-            dist.gather(padded, None, dst=0)
+            settled(lambda: dist.gather(padded, None, dst=0, async_op=True), [padded])
             return []
         bufs = [torch.empty(max(n), dtype=torch.uint8, device=dev) for _ in range(world)]
-        dist.gather(padded, bufs, dst=0)
+        settled(lambda: dist.gather(padded, bufs, dst=0, async_op=True), [padded, *bufs])
         return [b[:k].cpu() for b, k in zip(bufs, n, strict=True)]
 
     def patches(self, buckets: list[BucketManifest], plans: list[TensorPlan]

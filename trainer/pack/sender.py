@@ -36,6 +36,10 @@ class BucketSender:
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
 
+    def release(self) -> None:
+        """Free the send buffers (the pusher is closed); the next send allocates."""
+        self._buffers = []
+
     def _buffers_for(self, size: int, device: torch.device) -> list[torch.Tensor]:
         # Reused across pushes: a steady-state push allocates nothing.
         b = self._buffers

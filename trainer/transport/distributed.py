@@ -12,11 +12,15 @@ trainer alike, whatever the push's overall budget. Forming it has a budget of
 its own (`connect_timeout_s`).
 `close()` releases the connection on every replica (POST /weights/disconnect), so
 the next trainer connects at once: only a crashed trainer's lease runs out.
+It then ends this side for good, before interpreter exit: the group is
+destroyed in the calling thread (gloo's worker threads joined once their
+queued sends are done), and a join abandoned after a failed connect is waited
+for, since a thread still inside torch when finalization begins aborts the
+process (client/protocol/bucket_group.py, `close_group`).
 """
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
 import threading
@@ -29,7 +33,6 @@ import torch
 from rollout_sidecar.client.protocol.bucket_group import (
     SENDER_RANK,
     broadcast_group,
-    close_group,
     send_bucket,
 )
 from rollout_sidecar.client.protocol.bucket_mac import PushMacs, new_secret
@@ -76,7 +79,8 @@ class DistributedTransport:
         self._secret: bytes | None = None  # this connection's; never logged
         self.authenticate_buckets = authenticate_buckets
         self.bucket_macs: PushMacs | None = None  # this push's tags (start_push)
-        atexit.register(self.reset)  # never leave a live group to interpreter teardown
+        # Joins given up on (failed connects) and their outcomes: `close` waits for them.
+        self._abandoned: list[tuple[threading.Thread, dict[str, Any]]] = []
 
     @property
     def buffer_device(self) -> torch.device:
@@ -158,8 +162,9 @@ class DistributedTransport:
             # failure leaves our join to end by its own timeout, in the background.
             joining.join(self.replicas.deadlines.stall_s)
             self._clean_store(store_host, store_port, conn_id)
+            self._give_up(joining, out)  # a group it forms later: see close()
             if "group" in out:
-                close_group(out.pop("group"))
+                out.pop("group").close()
             join_error = out.get("join_error")
             if join_error is not None and TAMPERED in str(join_error):
                 raise WeightPushError(f"{e}; and this trainer's join: {join_error}") from e
@@ -168,6 +173,7 @@ class DistributedTransport:
         if "group" not in out:  # an abandoned join ends by its own timeout
             e = out.get("join_error")
             self._clean_store(store_host, store_port, conn_id)
+            self._give_up(joining, out)
             raise WeightPushError(f"data plane {store_host}:{store_port}: "
                                   f"{e or 'join did not finish'}") from e
         self.group = out["group"]
@@ -197,13 +203,32 @@ class DistributedTransport:
         return send_bucket(self.group, buf, self.fanout)
 
     def reset(self) -> None:
+        """Drop our side of the group now (see `close_group`)."""
         group, self.group = self.group, None
-        close_group(group)
+        if group is not None:
+            group.close()
+
+    def _give_up(self, joining: threading.Thread, out: dict[str, Any]) -> None:
+        if joining.is_alive():
+            self._abandoned.append((joining, out))
+
+    def _end_abandoned_joins(self) -> None:
+        """Wait for each join given up on (it ends by its own timeout,
+        `join_s`), then drop the group it may have formed since."""
+        abandoned, self._abandoned = self._abandoned, []
+        for thread, out in abandoned:
+            thread.join(self.replicas.deadlines.join_s)
+            if thread.is_alive():
+                log.warning("data plane: a join given up on is still running after %.0f s",
+                            self.replicas.deadlines.join_s)
+            if "group" in out:
+                out.pop("group").close()
 
     def close(self, timeout_s: float = DISCONNECT_TIMEOUT_S) -> None:
         """Release our connection on every replica at once (bounded, best
         effort: a replica that is down or refuses keeps it until its lease runs
-        out, and the close goes on), then drop our side of the group."""
+        out, and the close goes on), then end our side of the group and any
+        join still running. Idempotent."""
         conn, self.connection_id = self.connection_id, None
         if conn is not None:
             results = self.replicas.each(
@@ -214,3 +239,4 @@ class DistributedTransport:
                                 "connection the server still holds ends with its lease)",
                                 conn, url, r)
         self.reset()
+        self._end_abandoned_joins()

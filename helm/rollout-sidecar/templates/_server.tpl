@@ -63,6 +63,10 @@ Public named templates, each rendering YAML list items; call them with this char
     - name: ROLLOUT_SIDECAR_GPU_MEMORY_UTILIZATION
       value: {{ $s.gpuMemoryUtilization | quote }}
     {{- end }}
+    {{- if $s.kvCacheGib }}
+    - name: ROLLOUT_SIDECAR_KV_CACHE_GIB
+      value: {{ $s.kvCacheGib | quote }}
+    {{- end }}
     {{- include "rollout-sidecar.tokenEnv" $ctx | nindent 4 }}
     {{- range $name, $value := $s.engineEnv }}
     - name: {{ $name }}

@@ -7,6 +7,8 @@ core and its workers) before the model loads. It
   ops.py travels (worker_calls.py);
 - asks the kernel to kill vLLM's child processes when their parent dies, so a
   SIGKILLed server leaves no orphaned EngineCore holding memory and ports.
+- on CPU, makes the engine core and workers nap while they wait for work,
+  not loop on sched_yield (engine/idle_wait.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ def register() -> None:
         return  # the API process itself: it owns its lifetime
     _die_with_parent(parent.pid)
     _add_worker_method()
+    # Before the executor builds its message queues (engine/idle_wait.py).
+    from rollout_sidecar.server.engine.idle_wait import wait_idle_on_cpu
+
+    wait_idle_on_cpu()
 
 
 def _die_with_parent(parent_pid: int | None) -> None:

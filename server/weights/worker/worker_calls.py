@@ -14,7 +14,9 @@ failure without knowing which ranks still had a session.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import sys
 from typing import Any
 
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
@@ -24,6 +26,10 @@ log = logging.getLogger(__name__)
 
 _OPENS_SESSION = (WorkerOp.ALLOCATE, WorkerOp.RECEIVE)
 _SIDE_OPS = {o.value for o in SideOp}
+# A side op returns at once by design (its blocking work runs in threads); one
+# still running after this long is a bug, so every thread's stack goes to the
+# log while it is still stuck. Worker ops may rightly take minutes (a load).
+SIDE_OP_STACKS_AFTER_S = 15.0
 
 
 def run_call(worker: Any, op: str, payload: dict) -> dict:
@@ -35,7 +41,11 @@ def run_call(worker: Any, op: str, payload: dict) -> dict:
         if engine is None:
             raise RuntimeError("weight transfer is not configured on this worker")
         if op in _SIDE_OPS:
-            data = engine.side_call(op, payload)
+            faulthandler.dump_traceback_later(SIDE_OP_STACKS_AFTER_S, file=sys.stderr)
+            try:
+                data = engine.side_call(op, payload)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         else:
             data = _worker_op(worker, engine, WorkerOp(op), payload)
         return {"rank": rank, "ok": True, **(data or {})}

@@ -1,0 +1,144 @@
+"""A replica that dies and comes back, under load (the default commit policy,
+wait; test_soak.py covers abort and keep): two float32 replicas (the
+package's `reliable` server and one more), 32 rollout clients (each its own
+`GenerationClient` over both URLs) and one long-lived `WeightPusher` making
+60 pushes, while replica B is SIGKILLed and restarted 3 times.
+
+What a user running a fleet needs from it:
+- the pusher carries on by itself: no new pusher, no manual reconnect; a push
+  fails only while B is down (all-or-nothing across replicas), and the first
+  push begun once B is back succeeds;
+- the clients route around the gap: no request fails (non-2xx or an exception
+  reaching the rollout loop);
+- no sample is off its claimed version: every response's tokens reproduce, in
+  an fp32 transformers forward, the weights of the version it names (a
+  restarted replica names 0, its checkpoint, until the next push).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from rollout_sidecar.client import GenerationClient
+from rollout_sidecar.trainer import WeightPusher, WeightPushError
+from tests.conftest import start_server, stop_server
+from tests.reliability.conftest import model_of, served_version
+from tests.reliability.oracle import Sample, VersionedWeights, classify
+
+pytestmark = pytest.mark.slow
+PUSHES, CLIENTS, RESTARTS = 60, 32, 3
+KILL_AFTER = (12, 28, 44)  # committed pushes after which B is killed
+STEP_S = 0.2  # the training step between pushes
+# Each client's think time between requests: about 30 requests a second in
+# all keep several in flight at every commit, kill and restart, while the
+# fp32 oracle checks every sample in about a minute.
+THINK_S = 1.0
+
+
+class ReplicaB:
+    """Replica B, on fixed ports and tokens across its restarts."""
+
+    def __init__(self, tmp, a) -> None:
+        self.tmp, self.env = tmp, {"ROLLOUT_SIDECAR_API_TOKEN": a.api_token,
+                                   "ROLLOUT_SIDECAR_ADMIN_TOKEN": a.admin_token}
+        self.server = start_server(tmp, "b", dtype="float32", extra_env=self.env)
+        self.restarts = 0
+        self.ready = threading.Event()
+        self.ready.set()
+
+    def kill_and_restart(self) -> None:
+        """SIGKILL now; start again (same ports) in the background."""
+        self.ready.clear()
+        self.server.proc.send_signal(signal.SIGKILL)
+        self.server.proc.wait(60)
+        self.restarts += 1
+
+        def restart() -> None:
+            self.server = start_server(self.tmp, f"b-restart-{self.restarts}", dtype="float32",
+                                       extra_env=self.env, like=self.server)
+            self.ready.set()
+
+        threading.Thread(target=restart, daemon=True).start()
+
+
+def test_a_replica_killed_and_restarted_three_times_under_load(reliable, oracle,
+                                                               tmp_path_factory):
+    a = reliable
+    b = ReplicaB(tmp_path_factory.mktemp("restart-soak"), a)
+    urls = f"{a.url},{b.server.url}"
+    weights = VersionedWeights(model_of(a))
+    pusher = WeightPusher(urls, admin_token=a.admin_token, bucket_mb=1, probe=False)
+    stop = threading.Event()
+    samples: list[Sample] = []
+    failures: list[str] = []
+    requests = [0]
+    pushes: list[dict] = []
+
+    def rollouts(i: int) -> None:
+        rng = random.Random(i)
+        with GenerationClient(urls, token=a.api_token) as client:
+            while not stop.is_set():
+                prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 8))]]
+                try:
+                    r = client.generate(prompt_token_ids=prompts, sampling=dict(
+                        max_tokens=rng.randint(4, 10), temperature=1.0,
+                        seed=rng.randrange(1 << 30)))
+                except Exception as e:  # what would reach the rollout loop
+                    failures.append(f"{type(e).__name__}: {e}"[:300])
+                    continue
+                requests[0] += 1
+                for s in r.results[0].samples:
+                    samples.append(Sample(prompts[0], s.token_ids, s.logprobs,
+                                          r.weight_versions, requests[0]))
+                stop.wait(THINK_S)
+
+    clients = [threading.Thread(target=rollouts, args=(i,)) for i in range(CLIENTS)]
+    for t in clients:
+        t.start()
+    start = max(served_version(a), 0) + 1
+    version, committed = start, 0
+    try:
+        while committed < PUSHES:
+            b_up = b.ready.is_set()  # ready before this push began
+            try:
+                res = pusher.push(weights.load(version), version=version)
+                pushes.append(dict(version=version, ok=True, encoding=res.encoding,
+                                   restarted=res.server_restarted))
+                committed += 1
+                if committed in KILL_AFTER:
+                    b.kill_and_restart()
+            except WeightPushError as e:
+                pushes.append(dict(version=version, ok=False, b_up=b_up,
+                                   error=str(e)[:200]))
+            version += 1
+            time.sleep(STEP_S)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(180)
+        pusher.close()
+        b.ready.wait(300)
+        stop_server(b.server)
+    verdicts = classify(samples, oracle, range(0, version), keep=False)
+    failed = [p for p in pushes if not p["ok"]]
+    row = dict(pushes=len(pushes), committed=committed, failed_pushes=len(failed),
+               failed_while_b_up=sum(p["b_up"] for p in failed), restarts=b.restarts,
+               saw_restart=sum(p.get("restarted", False) for p in pushes),
+               encodings=sorted({p["encoding"] for p in pushes if p["ok"]}),
+               requests=requests[0], failed_requests=len(failures), samples=len(samples),
+               **dict(verdicts.counts))
+    print("RESTART-SOAK " + json.dumps(row))
+    assert b.restarts == RESTARTS
+    assert not failures, failures[:5]
+    # A push fails only while B is down; once it is ready, the next one lands.
+    assert all(not p["b_up"] for p in failed), [p for p in failed if p["b_up"]][:3]
+    verdicts.counts.pop("overlisted_responses", 0)
+    assert samples and verdicts.counts["honest"] == sum(verdicts.counts.values()), \
+        (dict(verdicts.counts), verdicts.examples)
+    assert all(len(s.claimed) == 1 for s in samples)  # commit policy wait: one version each

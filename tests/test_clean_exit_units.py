@@ -1,0 +1,206 @@
+"""Nothing a pusher starts outlives it into interpreter teardown (issue 26),
+without a server: real gloo groups of threads on localhost for the
+collectives and the data plane's group, fakes for the replicas.
+tests/e2e/test_clean_exit.py runs whole push scripts against a real server."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rollout_sidecar.client.protocol.bucket_group import broadcast_group
+from rollout_sidecar.trainer.collectives import settled
+from rollout_sidecar.trainer.control import replica_admins
+from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
+from rollout_sidecar.trainer.release import close_parts, close_when_gone
+from rollout_sidecar.trainer.transport.distributed import DistributedTransport
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture()
+def groups() -> Any:
+    """Two ranks of a gloo group, both in this process."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    out: list[Any] = [None, None]
+
+    def join(rank: int) -> None:
+        out[rank] = broadcast_group("127.0.0.1", store.port, "exit", rank, 2, "gloo", 20)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(g is not None for g in out)
+    yield out
+    for g in out:
+        g.close()
+
+
+def test_a_settled_collective_returns_once_no_gloo_thread_holds_its_tensor(groups) -> None:
+    """Without `settled`, a gloo worker still held the tensor after `wait()`
+    returned now and then; it has to take the GIL to let go, which at exit
+    aborts the process. After `settled`, nobody but the caller holds it."""
+    errors: list[str] = []
+
+    def rank(r: int) -> None:
+        pg = groups[r].pg
+        for i in range(200):
+            t = torch.full((256,), i if r == 0 else -1, dtype=torch.int64)
+
+            def start(t: torch.Tensor = t) -> Any:
+                return pg.broadcast(t, 0)
+
+            refs = sys.getrefcount(t)
+            settled(start, [t])
+            if (t._use_count(), sys.getrefcount(t), int(t[0])) != (1, refs, i):
+                errors.append(f"rank {r} round {i}: uses {t._use_count()}, refs "
+                              f"{sys.getrefcount(t)} (was {refs}), value {int(t[0])}")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:5]
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_closing_a_data_plane_group_joins_its_gloo_threads_here() -> None:
+    """gloo has no abort: the threads end in the group's destructor, which
+    `close()` runs now rather than leaving it to interpreter exit."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    before = _threads()
+    out: list[Any] = [None, None]
+
+    def join(rank: int) -> None:
+        out[rank] = broadcast_group("127.0.0.1", store.port, "close", rank, 2, "gloo", 20)
+
+    joins = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(30)
+    assert _threads() > before  # each rank's workers and its transport's loop
+    for g in out:
+        g.close()
+        g.close()  # idempotent
+    assert _threads() == before
+
+
+class _Part:
+    def __init__(self, fails: bool = False) -> None:
+        self.closed, self.fails = 0, fails
+
+    def close(self) -> None:
+        self.closed += 1
+        if self.fails:
+            raise RuntimeError("server gone")
+
+    release = close
+
+
+def test_a_pusher_never_closed_is_closed_once_collected(caplog) -> None:
+    class Owner:
+        pass
+
+    transport, replicas, sender = _Part(fails=True), _Part(), _Part()
+    owner = Owner()
+    close_when_gone(owner, transport, replicas, sender)
+    assert transport.closed == 0
+    del owner  # e.g. a pusher local to main(), which returned
+    assert transport.closed == 1 and "server gone" in caplog.text  # logged, not raised
+    close_parts(None, replicas, sender)  # rank > 0: no transport, no replicas
+    assert sender.closed == 1
+
+
+def test_a_pusher_alive_at_exit_is_closed_before_finalization() -> None:
+    script = ("import sys\n"
+              "from rollout_sidecar.trainer.release import close_when_gone\n"
+              "class Part:\n"
+              "    def close(self):\n"
+              "        print('closed, finalizing:', sys.is_finalizing(), flush=True)\n"
+              "    release = close\n"
+              "class Pusher:\n"
+              "    pass\n"
+              "PUSHER = Pusher()  # a global: alive until the interpreter exits\n"
+              "close_when_gone(PUSHER, Part(), None, Part())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["closed, finalizing: False"] * 2, proc.stdout
+
+
+class _Admin:
+    def __init__(self, url: str) -> None:
+        self.base_url, self.calls = url, []
+
+    def disconnect(self, connection_id, trainer_id, timeout_s):
+        self.calls.append(connection_id)
+
+    def close(self) -> None:
+        pass
+
+
+def test_replicas_are_called_one_by_one_once_no_thread_pool_runs(monkeypatch) -> None:
+    """At interpreter exit (the atexit close) concurrent.futures takes no work."""
+
+    class Refusing:
+        def __init__(self, workers: int) -> None:
+            pass
+
+        def __enter__(self) -> Refusing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def map(self, fn, items):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(replica_admins, "ThreadPoolExecutor", Refusing)
+    replicas = ReplicaAdmins("http://a:1,http://b:2", token=None)
+    replicas.admins = [_Admin("http://a:1"), _Admin("http://b:2")]
+    assert replicas.each(lambda admin, i: i * 10) == [0, 10]
+
+
+def test_close_waits_for_a_join_given_up_on_and_ends_the_group_it_formed() -> None:
+    """A connect that failed leaves its join thread to end by its own timeout;
+    a thread still inside torch when finalization begins aborts the process."""
+    replicas = ReplicaAdmins("http://a:1", token=None)
+    replicas.admins = [_Admin("http://a:1")]
+    transport = DistributedTransport(replicas)
+    closed = []
+
+    class Group:
+        def close(self) -> None:
+            closed.append(self)
+
+    out: dict[str, Any] = {}
+
+    def late_join() -> None:
+        time.sleep(0.3)
+        out["group"] = Group()
+
+    joining = threading.Thread(target=late_join, daemon=True)
+    joining.start()
+    transport._give_up(joining, out)
+    transport.close()
+    assert not joining.is_alive() and len(closed) == 1 and "group" not in out
+    transport.close()  # idempotent
+    assert len(closed) == 1
