@@ -30,6 +30,7 @@ replica per `every_s`, whatever its number of clients.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import threading
 import time
@@ -41,8 +42,27 @@ import httpx
 log = logging.getLogger(__name__)
 
 # probe(url, timeout_s): returns if the replica answered anything; raises an
-# httpx.TransportError if it did not (any other exception: no verdict).
+# httpx.TransportError if it did not (a refused connection, or any other
+# exception: no verdict; see `refused`).
 Probe = Callable[[str, float], None]
+
+
+def refused(error: BaseException) -> bool:
+    """Whether `error` is a refused connection: the replica's host answered
+    that nothing listens there. Not silence: a draining server (SIGTERM) has
+    closed its listener and still finishes the requests it holds on open
+    connections, and a dead one resets them, so those requests end on their
+    own either way. A frozen replica's kernel still accepts connections, so it
+    shows as a timeout, which is what counts as a miss here and in
+    stall_watch.py."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED:
+            return True
+        e = e.__cause__ or e.__context__
+    return isinstance(error, httpx.ConnectError) and "connection refused" in str(error).lower()
 
 
 @dataclass(frozen=True)
@@ -162,7 +182,10 @@ class ReplicaLiveness:
         try:
             self._probe(self.url + "/health", self.policy.timeout_s)
         except httpx.TransportError as e:
-            self._missed(e)
+            if refused(e):  # draining or dead, not frozen: its requests end by themselves
+                log.debug("liveness probe of %s: connection refused (no verdict)", self.url)
+            else:
+                self._missed(e)
         except Exception as e:  # no answer and no miss: e.g. a closed event loop
             log.debug("liveness probe of %s could not run: %r", self.url, e)
         else:

@@ -7,7 +7,9 @@ and make it start over. Instead the call runs with its full budget, and every
 `every_s` it has not answered, a second, tiny request asks the replica whether
 it lives (its HTTP process answers that alone, never queued behind the
 engine). A live replica keeps the call, however long it runs; one that cannot
-answer the liveness check is frozen, and the call is given up at once. The
+answer the liveness check in time is frozen, and the call is given up at once.
+A refused check is not silence (liveness.refused): a draining replica still
+finishes the call, a dead one's connection resets. The
 clients also hand the process-wide verdict of liveness.py in (`shared`): a
 call is given up as soon as that prober finds its replica frozen, well before
 its own check (every `stall_timeout_s`) would have asked.
@@ -26,7 +28,7 @@ from typing import TypeVar
 
 import httpx
 
-from rollout_sidecar.client.liveness import ReplicaLiveness, Waiter
+from rollout_sidecar.client.liveness import ReplicaLiveness, Waiter, refused
 
 T = TypeVar("T")
 
@@ -83,6 +85,8 @@ def run_watched(call: Callable[[], T], alive: Callable[[], None], every_s: float
             except httpx.TransportError as e:
                 if done.is_set():  # the answer came while we asked
                     break
+                if refused(e):  # draining or dead (liveness.refused): the call ends by itself
+                    continue
                 raise Silent(e) from e
     finally:
         if waiter is not None:
@@ -119,6 +123,8 @@ async def run_watched_async(call: Awaitable[T], alive: Callable[[], Awaitable[No
             except httpx.TransportError as e:
                 if task.done():
                     return task.result()
+                if refused(e):  # draining or dead (liveness.refused): the call ends by itself
+                    continue
                 raise Silent(e) from e
     finally:
         if not task.done():

@@ -89,6 +89,12 @@ class FakeReplica:
     def thaw(self) -> None:
         self.running.set()
 
+    def stop_listening(self) -> None:
+        """As a draining server does: new connections are refused, requests
+        already received still get their answer."""
+        self.server.shutdown()
+        self.server.server_close()
+
     def close(self) -> None:
         self.thaw()  # the abandoned requests end
         self.server.shutdown()
@@ -202,6 +208,30 @@ def test_a_slow_replica_that_answers_its_probe_keeps_its_long_request(replicas):
         assert entry.probes - probes_before >= 2  # asked while it ran, and it answered
         assert [r.frozen for r in c.replicas()] == [False, False]
         assert c.replicas()[0].last_error is None
+    assert a.generates() == 1 and b.generates() == 0, "one try: never sent again"
+
+
+def test_a_draining_replica_that_refuses_new_connections_keeps_its_request(replicas):
+    # A SIGTERMed server closes its listener and finishes what it holds: its
+    # probes are refused (not unanswered), so it is not frozen, and neither the
+    # shared verdict nor the client's own stall check gives its request up.
+    (a,) = replicas(1, generate_s=4 * LIVE.every_s)
+    (b,) = replicas(1)
+    urls = [a.url, b.url]
+    with GenerationClient(urls, liveness=LIVE, stall_timeout_s=LIVE.every_s) as c:
+        entry = c._liveness.get(a.url)
+
+        def drain() -> None:
+            until(lambda: a.generates() == 1, "the request reached a")
+            a.stop_listening()
+
+        draining = threading.Thread(target=drain, daemon=True)
+        draining.start()
+        probes_before = entry.probes
+        assert c.generate(["x"], session_key=homed_at(a.url, urls)).weight_version == 1
+        draining.join(DEADLINE_S)
+        assert entry.probes - probes_before >= 2  # refused while it ran
+        assert not entry.frozen and c.replicas()[0].last_error is None
     assert a.generates() == 1 and b.generates() == 0, "one try: never sent again"
 
 

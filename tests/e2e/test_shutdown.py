@@ -10,8 +10,24 @@ import httpx
 import pytest
 
 from tests.conftest import start_server
+from tests.reliability.test_starvation import gauge
 
 pytestmark = pytest.mark.slow
+
+
+def until(condition, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:.0f}s: {what}"
+        time.sleep(0.05)
+
+
+def draining(keepalive: httpx.Client) -> bool:
+    """/ready says 503 once SIGTERM is seen, or the idle connection is closed."""
+    try:
+        return keepalive.get("/ready").status_code == 503
+    except httpx.TransportError:
+        return True
 
 
 def test_sigterm_drains_in_flight_then_exits(tmp_path):
@@ -27,9 +43,10 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path):
         assert keepalive.get("/ready").status_code == 200
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(1.5)  # the request is now in the engine
+        until(lambda: gauge(server, "rollout_sidecar_engine_unfinished_requests") > 0,
+              "the request reached the engine")
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        until(lambda: draining(keepalive), "the server saw SIGTERM")
         # A new request is refused: 503 on a kept-alive connection, or the
         # listener is already closed.
         try:
