@@ -14,7 +14,7 @@ from rollout_sidecar.client.protocol import GenerateResponse
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec
 from rollout_sidecar.trainer.gather.full_tensors import ParamInfo, param_plan, persistent_buffers
 from rollout_sidecar.trainer.pack.buckets import plan_buckets
-from rollout_sidecar.trainer.probe import default_tolerance, probe_token_ids
+from rollout_sidecar.trainer.probe import default_tolerance, drift_tolerance, probe_token_ids
 
 
 def test_wide_tensors_in_a_narrow_checkpoint_keep_their_width():
@@ -111,3 +111,50 @@ def test_probe_tokens_are_fixed_and_fit_the_model():
     (torch.float32, torch.bfloat16, 0.1), (torch.float16, torch.float32, 0.05)])
 def test_probe_tolerance_follows_the_coarser_side(serve, logits, tol):
     assert default_tolerance(serve, logits) == tol
+
+
+def test_drift_is_three_times_the_floor_or_the_margin_and_only_under_the_tolerance():
+    assert drift_tolerance(0.1, None) is None  # the first probe: no floor yet
+    assert drift_tolerance(0.1, 0.001) == pytest.approx(0.009)  # floor + 0.008
+    assert drift_tolerance(0.1, 0.01) == pytest.approx(0.03)  # 3 x floor
+    assert drift_tolerance(1e-3, 1e-7) is None  # fp32: the tolerance is tighter
+
+
+class _Engine:
+    """A fake engine (unit test): serves fixed logprobs under version 3."""
+
+    def __init__(self, served: list[float]) -> None:
+        from rollout_sidecar.server.engine.version_gate import VersionGate
+
+        self.gate = VersionGate(3)
+        self.served = served
+
+    async def score(self, token_ids: list[int], version: int) -> list[float]:
+        return self.served
+
+
+@pytest.mark.parametrize("served, passed, drifted, suspect", [
+    ([-1.0, -2.0], True, False, False),  # on the trainer's logprobs
+    ([-1.02, -2.02], True, True, False),  # over the drift bound, within the tolerance
+    ([-1.5, -2.5], False, False, True)])  # over the tolerance
+def test_a_probe_over_its_drift_bound_passes_as_drift_and_is_never_suspect(
+        served, passed, drifted, suspect):
+    import asyncio
+
+    from rollout_sidecar.client.protocol import ProbeRequest
+    from rollout_sidecar.server.metrics.collectors import ServerMetrics
+    from rollout_sidecar.server.weights.probe_scoring import ProbeScorer
+
+    metrics = ServerMetrics()
+    engine = _Engine(served)
+    req = ProbeRequest(version=3, token_ids=[5, 6, 7], trainer_logprobs=[-1.0, -2.0],
+                       tolerance=0.1, drift_tolerance=0.01)
+    result = asyncio.run(ProbeScorer(engine, metrics).probe(req))
+    assert (result.passed, result.drifted) == (passed, drifted)
+    assert (3 in engine.gate.suspect) == suspect
+    outcome = "drifted" if drifted else "passed" if passed else "failed"
+    assert metrics.registry.get_sample_value(
+        "rollout_sidecar_weight_probes_total", {"outcome": outcome}) == 1
+    with pytest.raises(ValueError, match="drift_tolerance"):
+        ProbeRequest(version=3, token_ids=[5, 6], trainer_logprobs=[-1.0], tolerance=0.1,
+                     drift_tolerance=0)

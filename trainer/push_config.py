@@ -59,12 +59,10 @@ class PushConfig:
     for other models, or False."""
 
     probe_tolerance: float | None = None
-    """Largest acceptable mean |dlogp| of the probe. Default: by precision for
-    the first probe (fp32 1e-3, fp16 0.05, bf16 0.1), then relative to the
-    last passed probe's gap, the floor of this engine pair on weights a step
-    away: max(3 x floor, floor + 0.008), never above the first (probe.py), so
-    an error that comes with a push (a stale tensor, a wrong patch) shows in
-    bf16 serving too."""
+    """Largest acceptable mean |dlogp| of the probe. Default: by precision
+    (fp32 1e-3, fp16 0.05, bf16 0.1); a gap within it but over max(3 x, + 0.008)
+    the last passed probe's passes as drift (`PushResult.probe.drifted`, a
+    warning: in bf16 a healthy run's gap wanders that far; probe.py)."""
 
     probe_every: int = 1
     """Probe every N-th push (the first always), to amortise the probe's

@@ -24,6 +24,7 @@ from rollout_sidecar.client.protocol.fields import (
     Float,
     Int,
     Port,
+    Positive,
     ReplyModel,
     Seconds,
     StrictModel,
@@ -292,6 +293,9 @@ class ProbeRequest(StrictModel):
     trainer_logprobs: list[Float] = Field(
         description="logprob of token_ids[i] given token_ids[:i], for i = 1..len-1.")
     tolerance: Float = Field(gt=0, description="Largest acceptable mean |dlogp|.")
+    drift_tolerance: Positive | None = Field(
+        None, description="A mean |dlogp| over this (and within `tolerance`) passes, "
+        "reported as drift: the gap rose well above the last passed probe's.")
 
 
 class ProbeResult(ReplyModel):
@@ -301,6 +305,9 @@ class ProbeResult(ReplyModel):
     tolerance: float
     passed: bool
     tokens: int
+    drift_tolerance: float | None = None
+    drifted: bool = Field(False, description="Passed, but over `drift_tolerance`: a warning, "
+                          "not a verdict (the version is not marked suspect).")
 
 
 class TensorInfo(BaseModel):

@@ -152,17 +152,17 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         t2 = time.perf_counter()
-        push_s, probe, timings = 0.0, None, {}
+        push_s, probe, drifted, timings = 0.0, None, None, {}
         if not args.no_push:
             res = pusher.push(model, version=version + 1)
             version, push_s, probe = res.version, res.timings["total_s"], res.probe_gap
-            timings = res.timings
+            drifted, timings = res.probe.drifted if res.probe else None, res.timings
         t3 = time.perf_counter()
         mean_r = sum(map(sum, rewards)) / sum(map(len, rewards))
         rec = dict(step=step, reward=mean_r, push_s=push_s, weight_version=version,
                    served_version=resp_d["weight_version"], loss=float(loss.detach()),
                    train_rollout_logprob_abs_diff=float(drift[0] / drift[1]),
-                   probe_abs_dlogp=probe, push_timings=timings,
+                   probe_abs_dlogp=probe, probe_drifted=drifted, push_timings=timings,
                    lm_head_dtype=info["lm_head_dtype"],
                    gen_tokens_per_s=resp_d["usage"]["completion_tokens"] / (t1 - t0),
                    phase_s=dict(generate=t1 - t0, train=t2 - t1, push=t3 - t2, step=t3 - t0))

@@ -6,7 +6,10 @@ tied weight, a dtype slip). The probe does: the trainer sends its own
 logprobs of a fixed token sequence, the server scores the same sequence under
 the served version, and a mean |dlogp| over the tolerance marks that version
 suspect (/ready answers 503, responses carry `weight_suspect`) until a push
-passes its probe.
+passes its probe. A gap within the tolerance but over the trainer's
+`drift_tolerance` (well above its last passed probe's) passes as drift: logged
+and counted, never suspect, since in bf16 a healthy run's gap wanders that far
+(trainer/probe.py).
 """
 
 from __future__ import annotations
@@ -44,12 +47,20 @@ class ProbeScorer:
         gap = (served - torch.tensor(req.trainer_logprobs, dtype=torch.float64)).abs()
         mean, worst = gap.mean().item(), gap.max().item()
         passed = bool(mean <= req.tolerance)  # NaN compares False: a NaN gap fails
+        drifted = passed and req.drift_tolerance is not None and mean > req.drift_tolerance
         result = ProbeResult(version=req.version, mean_abs_dlogp=mean, max_abs_dlogp=worst,
-                             tolerance=req.tolerance, passed=passed, tokens=len(gap))
+                             tolerance=req.tolerance, passed=passed, tokens=len(gap),
+                             drift_tolerance=req.drift_tolerance, drifted=drifted)
         self.last = result
         self.metrics.probe_gap.labels("mean").set(mean)
         self.metrics.probe_gap.labels("max").set(worst)
-        self.metrics.probes.labels("passed" if passed else "failed").inc()
+        self.metrics.probes.labels("drifted" if drifted else "passed" if passed
+                                   else "failed").inc()
+        if drifted:
+            log.warning("weight_version %d: the trainer's probe passed, but drifted: mean "
+                        "|dlogp| %.3g > %.3g (well above the last passed probe's gap; within "
+                        "the tolerance %.3g)", req.version, mean, req.drift_tolerance,
+                        req.tolerance)
         self._mark(req.version, passed, mean, worst, req.tolerance, len(gap))
         return result
 

@@ -121,11 +121,13 @@ def test_bf16_push_is_exact_and_stays_at_the_engine_floor(bf16_family, tmp_path)
     # Pushing the checkpoint's own (bf16) weights back changes nothing at all.
     floor = r["identity"].pop("floor")
     assert r["identity"] == {"version": r["version_pushed"] - 1, "max_abs_diff": 0.0}, r
-    # The probe after the step is held to the floor that first push measured.
-    assert r["probe"]["tolerance"] == pytest.approx(min(0.1, max(3 * floor, floor + 0.008)))
+    # The probe after the step: bf16's tolerance, and the floor that first push
+    # measured, over which a passing gap is reported as drift.
+    assert r["probe"]["tolerance"] == 0.1
+    assert r["probe"]["drift_tolerance"] == pytest.approx(max(3 * floor, floor + 0.008))
     assert r["error"] is None, r
     assert r["version_after"] == r["version_pushed"]
-    assert r["probe"]["passed"], r
+    assert r["probe"]["passed"] and not r["probe"]["drifted"], r
     # After a step: on the same tokens, the gap to an fp32 forward of the
     # bf16-rounded trained weights stays at the gap the checkpoint had.
     ratio = r["gap_after_rounded_ref"] / r["gap_v0"]
@@ -135,20 +137,26 @@ def test_bf16_push_is_exact_and_stays_at_the_engine_floor(bf16_family, tmp_path)
 
 
 @pytest.mark.parametrize("bf16_family", ["llama-tied-gqa"], indirect=True)
-def test_bf16_probe_catches_a_stale_parameter_against_its_floor(bf16_family, tmp_path):
+def test_bf16_probe_reports_a_stale_parameter_as_drift_from_its_floor(bf16_family, tmp_path):
     # In bf16 the absolute tolerance (0.1 nats) is coarser than a stale tensor;
-    # the floor the identity push measured is not.
+    # the floor the identity push measured is not. A healthy bf16 run's gap can
+    # rise as far (trainer/probe.py), so it is drift, reported on both sides,
+    # and the version is not marked suspect.
     fs = bf16_family
     fs.fault_file.write_text("stale:model.layers.0.mlp.down_proj.weight")
     try:
         (r,) = run_worker(fs, tmp_path, scenario="bf16")
     finally:
         fs.fault_file.write_text("")
-    print(f"BF16-STALE floor {r['identity']['floor']:.4f} error {r['error']}")
-    assert r["error_types_by_rank"] == ["WeightMismatchError"] * 2, r
-    assert "last passed probe" in r["error"]
-    probe = admin(fs, "/weights/status")["last_probe"]
-    assert not probe["passed"] and probe["mean_abs_dlogp"] < 0.1  # missed by 0.1
+    print(f"BF16-STALE floor {r['identity']['floor']:.4f} probe {r['probe']}")
+    assert r["error"] is None, r
+    assert r["probe"]["passed"] and r["probe"]["drifted"], r
+    status = admin(fs, "/weights/status")
+    probe = status["last_probe"]
+    assert probe["drifted"] and probe["drift_tolerance"] < probe["mean_abs_dlogp"] < 0.1
+    assert status["suspect"] is None
+    assert 'rollout_sidecar_weight_probes_total{outcome="drifted"}' in \
+        httpx.get(fs.server.url + "/metrics").text
 
 
 # ------------------------------------------------------------------ faults
