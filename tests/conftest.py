@@ -10,11 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from rollout_sidecar.server.launcher import free_port, launch_server, stop_process
+from rollout_sidecar.server.launcher import (
+    ServerProcess,
+    free_port,
+    launch_server,
+    stop_process,
+)
 from tests import processes
+from tests.server_plan import TEST_ENV, ServerPlan, ServerSpec, cache_dir, plan_from, serves
 
 REPO = Path(__file__).resolve().parents[1]
-__all__ = ["REPO", "Server", "free_port", "run_torchrun", "start_server", "stop_server"]
+__all__ = ["REPO", "Server", "ServerSpec", "free_port", "run_torchrun", "serves", "start_server",
+           "stop_server"]
 
 
 @dataclass
@@ -27,6 +34,8 @@ class Server:
     log: Path
     port: int = 0
     dp_port: int = 0
+    tmp: Path | None = None  # its folder
+    fault_file: Path | None = None  # ROLLOUT_SIDECAR_TEST_FAULT_FILE, if it has one
 
     def client(self, **kw):
         from rollout_sidecar.client import GenerationClient
@@ -34,26 +43,30 @@ class Server:
         return GenerationClient(self.url, token=self.api_token, **kw)
 
 
+def as_server(s: ServerProcess, tmp: Path) -> Server:
+    """A ready `ServerProcess` as the tests' `Server` (stopped if /info fails)."""
+    with s.stopped_on_error():
+        model_path = Path(s.info()["model"])
+    return Server(s.url, s.api_token, s.admin_token, model_path, s.proc, s.log, s.port,
+                  s.data_plane_port, tmp=tmp,
+                  fault_file=(Path(s.env["ROLLOUT_SIDECAR_TEST_FAULT_FILE"])
+                              if s.env.get("ROLLOUT_SIDECAR_TEST_FAULT_FILE") else None))
+
+
 def start_server(tmp: Path, name: str, extra_env: dict | None = None,
                  model: Path | str | None = None, dtype: str | None = None,
                  like: Server | None = None, max_model_len: int | None = 512) -> Server:
-    """A real server on free ports; `like` restarts one on its ports and tokens."""
-    cache = Path(os.environ.get("ROLLOUT_SIDECAR_TEST_CACHE", tmp / "cache"))
-    env = {"ROLLOUT_SIDECAR_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S": "3",
-           # Each torchrun worker is a new trainer: no waiting out the last one's lease.
-           "ROLLOUT_SIDECAR_CONNECTION_LEASE_S": "1",
-           "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    """A real server on free ports, started now (a server a test starts
+    itself; fixtures take theirs from the plan); `like` restarts one on its
+    ports and tokens."""
+    env = {"ROLLOUT_SIDECAR_CACHE_DIR": str(cache_dir(tmp)), **TEST_ENV, **(extra_env or {})}
     s = launch_server(log=tmp / f"{name}.log", model=model, dtype=dtype,
                       max_model_len=max_model_len or None, env=env,
                       port=like.port if like else None,
                       data_plane_port=like.dp_port if like else None,
                       api_token=like.api_token if like else None,
                       admin_token=like.admin_token if like else None, ready_timeout_s=300)
-    with s.stopped_on_error():
-        model_path = Path(s.info()["model"])
-    return Server(s.url, s.api_token, s.admin_token, model_path, s.proc, s.log, s.port,
-                  s.data_plane_port)
+    return as_server(s, tmp)
 
 
 def run_torchrun(worker: Path, args: list[str], srv: Server, nproc: int = 2) -> None:
@@ -74,9 +87,42 @@ def stop_server(server: Server) -> None:
     stop_process(server.proc)
 
 
+# The servers fixtures take (`@serves`), launched ahead of their tests
+# (tests/server_plan.py): built once collection has ordered the tests.
+PLAN = ServerPlan([])
+DEFAULT = ServerSpec("server")
+
+
+def pytest_collection_finish(session):
+    PLAN.todo = plan_from(session.items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    PLAN.quiet = item.get_closest_marker("quiet") is not None
+    if PLAN.quiet:
+        PLAN.settle()
+    else:
+        PLAN.prefetch()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    PLAN.quiet = False
+    PLAN.prefetch()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_plan(tmp_path_factory):
+    PLAN.root = tmp_path_factory.mktemp("servers")
+    PLAN.prefetch()
+    yield PLAN
+    PLAN.close()
+
+
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("server"), "server")
+@serves(DEFAULT)
+def server(server_plan):
+    s = server_plan.take(DEFAULT)
     yield s
     stop_server(s)
 

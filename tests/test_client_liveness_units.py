@@ -31,6 +31,8 @@ from tests.test_client_routing import generated
 
 LIVE = LivenessPolicy(every_s=0.5, timeout_s=1.0, misses=2, after_s=0.25)
 DEADLINE_S = 60.0  # generous: only a broken reroute waits this long
+# quiet: a probe answered after LIVE.timeout_s counts as a miss.
+pytestmark = pytest.mark.quiet
 
 
 class FakeReplica:

@@ -31,7 +31,11 @@ from tests import processes
 from tests.conftest import REPO
 
 WORKER = Path(__file__).with_name("exit_worker.py")
-RUNS = {"plain": 10, "fsdp2": 10, "fsdp1": 20}
+# FSDP1 aborted about one run in four before the fix: 12 runs miss that with
+# odds of 3%. The 20 runs per wrapper: ROLLOUT_SIDECAR_EXIT_RUNS=20.
+RUNS = {"plain": 4, "fsdp2": 6, "fsdp1": 12}
+if os.environ.get("ROLLOUT_SIDECAR_EXIT_RUNS"):
+    RUNS = dict.fromkeys(RUNS, int(os.environ["ROLLOUT_SIDECAR_EXIT_RUNS"]))
 LANES = 2
 RUN_TIMEOUT_S = 180
 pytestmark = pytest.mark.slow

@@ -16,17 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_torchrun, start_server, stop_server
+from tests.conftest import ServerSpec, run_torchrun, serves, start_server, stop_server
 
 WORKER = Path(__file__).with_name("delta_pair_worker.py")
 pytestmark = pytest.mark.slow
 
 
+DELTA_A, DELTA_B = ServerSpec("delta-a"), ServerSpec("delta-b")
+
+
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("delta")
-    a = start_server(tmp, "delta-a")
-    b = start_server(tmp, "delta-b")
+@serves(DELTA_A, DELTA_B)
+def pair(server_plan):
+    a, b = server_plan.take(DELTA_A), server_plan.take(DELTA_B)
     yield a, b
     stop_server(a)
     stop_server(b)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -38,11 +39,15 @@ def late_minus_early(report: dict) -> float:
 
 
 def test_reward_climbs_only_when_weights_are_pushed(tmp_path):
-    pushed = run_demo(tmp_path, push=True, steps=STEPS)
+    # The two runs are independent (each starts its own server on free ports):
+    # side by side, each one's start-up overlaps the other's single-core parts.
+    with ThreadPoolExecutor(2) as pool:
+        frozen_run = pool.submit(run_demo, tmp_path, push=False, steps=FROZEN_STEPS)
+        pushed = run_demo(tmp_path, push=True, steps=STEPS)
+        frozen = frozen_run.result()
     assert [s["weight_version"] for s in pushed["steps"]] == list(range(1, STEPS + 1))
     # Every step's rollouts came from the weights pushed by the step before.
     assert [s["served_version"] for s in pushed["steps"]] == list(range(0, STEPS))
-    frozen = run_demo(tmp_path, push=False, steps=FROZEN_STEPS)
     assert all(s["served_version"] == 0 for s in frozen["steps"])
     gain, frozen_gain = late_minus_early(pushed), late_minus_early(frozen)
     assert gain > 0.15, pushed["steps"]

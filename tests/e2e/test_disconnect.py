@@ -16,18 +16,22 @@ import torch
 from rollout_sidecar.trainer import WeightPusher
 from rollout_sidecar.trainer.control.admin_client import WeightAdminClient
 from rollout_sidecar.trainer.errors import WeightPushError
-from tests.conftest import start_server, stop_server
+from tests.conftest import ServerSpec, serves, stop_server
 
 # fp32 serving vs a transformers fp32 forward of the same weights.
 FP32_TOL = 1e-4
 TEMPERATURE = 0.7
 
 
+SERVER = ServerSpec.of("disconnect", dtype="float32",
+                       env={"ROLLOUT_SIDECAR_CONNECTION_LEASE_S": "3600",
+                            "ROLLOUT_SIDECAR_LOGPROBS_MODE": "processed_logprobs"})
+
+
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("disconnect"), "disconnect", dtype="float32",
-                     extra_env={"ROLLOUT_SIDECAR_CONNECTION_LEASE_S": "3600",
-                                "ROLLOUT_SIDECAR_LOGPROBS_MODE": "processed_logprobs"})
+@serves(SERVER)
+def srv(server_plan):
+    s = server_plan.take(SERVER)
     yield s
     stop_server(s)
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -18,6 +19,7 @@ DEADLINE_S = 600
 
 
 def doctor(tmp_path, fault: str = "") -> subprocess.CompletedProcess:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     fault_file = tmp_path / "fault"
     fault_file.write_text(fault)
     env = dict(os.environ, PYTHONFAULTHANDLER="1", ROLLOUT_SIDECAR_TEST_FAULT_FILE=str(fault_file),
@@ -36,15 +38,18 @@ def doctor(tmp_path, fault: str = "") -> subprocess.CompletedProcess:
 
 
 def test_doctor_passes_on_a_healthy_install_and_names_the_step_that_fails(tmp_path):
-    ok = doctor(tmp_path)
+    # Two independent runs (each its own server on free ports), side by side.
+    with ThreadPoolExecutor(2) as pool:
+        # The load keeps a stale layer: only the probe can see it, and it must.
+        stale = pool.submit(doctor, tmp_path / "stale", "stale:model.layers.0.mlp.down_proj.weight")
+        ok = doctor(tmp_path / "healthy")
+        bad = stale.result()
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     lines = ok.stdout.splitlines()
     for step in ("platform", "engine start", "weight routes", "push and probe"):
         assert any(ln.startswith(f"ok    {step}") for ln in lines), ok.stdout
     assert "gloo from cpu" in ok.stdout and "all checks passed" in ok.stdout
     print(ok.stdout)
-    # The load keeps a stale layer: only the probe can see it, and it must.
-    bad = doctor(tmp_path, "stale:model.layers.0.mlp.down_proj.weight")
     assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]
     assert any(ln.startswith("FAIL  push and probe") for ln in bad.stdout.splitlines()), \
         bad.stdout

@@ -19,7 +19,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import start_server, stop_server
+from tests.conftest import ServerSpec, serves, stop_server
 
 # Same tokens, same weights, float32: prefill (scoring) and decode agree to rounding.
 LOGPROB_TOL = 1e-5
@@ -28,9 +28,13 @@ LOGPROB_TOL = 1e-5
 ASCII = {"allowed_token_ids": list(range(97, 123)) + [257]}
 
 
+SERVER = ServerSpec("openai", dtype="float32")
+
+
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("openai"), "openai", dtype="float32")
+@serves(SERVER)
+def srv(server_plan):
+    s = server_plan.take(SERVER)
     yield s
     stop_server(s)
 

@@ -14,16 +14,20 @@ from pathlib import Path
 import pytest
 
 from rollout_sidecar.trainer import WeightPusher
-from tests.conftest import run_torchrun, start_server, stop_server
+from tests.conftest import ServerSpec, run_torchrun, serves, stop_server
 from tests.e2e.peft_push_worker import build_peft, gaps, scored_sequences, served
 
 WORKER = Path(__file__).with_name("peft_push_worker.py")
 GAP_TOL = 1e-5  # mean |dlogp|, fp32 served vs fp32 transformers (the bound)
 
 
+SERVER = ServerSpec("peft", dtype="float32")
+
+
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("peft"), "peft", dtype="float32")
+@serves(SERVER)
+def srv(server_plan):
+    s = server_plan.take(SERVER)
     yield s
     stop_server(s)
 

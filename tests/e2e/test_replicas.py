@@ -10,6 +10,7 @@ from the versions the previous one left.
 from __future__ import annotations
 
 import re
+import secrets
 import threading
 import time
 
@@ -18,11 +19,12 @@ import pytest
 
 from rollout_sidecar.client import GenerationClient
 from rollout_sidecar.trainer import PartialCommitError, ReplicaLostError, WeightPushError
-from tests.conftest import start_server, stop_server
+from tests.conftest import ServerSpec, serves, start_server, stop_server
 from tests.e2e.chaos import PHASES, Freezer, Traffic, freeze_at, timed, unhook
 from tests.e2e.test_push import assert_pushed, run_worker
 
-pytestmark = pytest.mark.slow
+# quiet: a frozen replica must fail a push within its stall bound, in wall-clock time.
+pytestmark = [pytest.mark.slow, pytest.mark.quiet]
 
 
 # The servers' push budget. A frozen replica must fail a push well inside it:
@@ -31,16 +33,18 @@ PUSH_TIMEOUT_S = 120
 STALL_S = 8
 
 
+# Same tokens for both, so one trainer (and one client) talks to each.
+TOKENS = {"ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
+          "ROLLOUT_SIDECAR_ADMIN_TOKEN": secrets.token_hex(8)}
+BUDGET = {"ROLLOUT_SIDECAR_PUSH_TIMEOUT_S": str(PUSH_TIMEOUT_S), **TOKENS}
+REPLICA_A = ServerSpec.of("replica-a", env=BUDGET)
+REPLICA_B = ServerSpec.of("replica-b", env=BUDGET)
+
+
 class Pair:
-    def __init__(self, tmp):
-        self.tmp = tmp
-        budget = {"ROLLOUT_SIDECAR_PUSH_TIMEOUT_S": str(PUSH_TIMEOUT_S)}
-        self.a = start_server(tmp, "replica-a", extra_env=budget)
-        # Same tokens for both, so one trainer (and one client) talks to each.
-        self.b = start_server(tmp, "replica-b", extra_env={
-            **budget, "ROLLOUT_SIDECAR_API_TOKEN": self.a.api_token,
-            "ROLLOUT_SIDECAR_ADMIN_TOKEN": self.a.admin_token})
-        self.b.api_token, self.b.admin_token = self.a.api_token, self.a.admin_token
+    def __init__(self, plan):
+        self.a, self.b = plan.take(REPLICA_A), plan.take(REPLICA_B)
+        self.tmp = self.b.tmp
 
     @property
     def servers(self):
@@ -59,8 +63,9 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    p = Pair(tmp_path_factory.mktemp("replicas"))
+@serves(REPLICA_A, REPLICA_B)
+def pair(server_plan):
+    p = Pair(server_plan)
     yield p
     for s in p.servers:
         stop_server(s)

@@ -12,7 +12,8 @@ import pytest
 from tests.conftest import start_server
 from tests.reliability.test_starvation import gauge
 
-pytestmark = pytest.mark.slow
+# quiet: the drain is asserted against wall-clock deadlines.
+pytestmark = [pytest.mark.slow, pytest.mark.quiet]
 
 
 def until(condition, what: str, timeout_s: float = 60) -> None:

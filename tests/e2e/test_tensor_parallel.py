@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import start_server, stop_server
+from tests.conftest import ServerSpec, serves, stop_server
 from tests.e2e.test_push import run_worker
 
 pytestmark = pytest.mark.slow
@@ -32,32 +32,33 @@ EXACT = 1e-4  # served vs trained, fp32 (measured ~3e-7)
 O_PROJ = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: each rank holds half
 
 
-@pytest.fixture(scope="module", params=["shared", "per-worker"])
-def tp2(tmp_path_factory, request):
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("TP=2 on vLLM-CPU needs two cores")
-    tmp = tmp_path_factory.mktemp("tp2")
-    fault = tmp / "fault"
-    fault.write_text("")
+def tp2_spec(staging: str) -> ServerSpec:
+    cpus = sorted(os.sched_getaffinity(0))[:2]
     # vLLM-CPU binds each worker's OpenMP threads to a NUMA node unless told
     # which cores to use; a one-node machine needs them named.
-    roots = set(Path("/dev/shm").glob("rollout-sidecar-*"))
-    s = start_server(tmp, f"tp2-{request.param}", dtype="float32", extra_env={
+    return ServerSpec.of(f"tp2-{staging}", dtype="float32", fault_file=True, env={
         "ROLLOUT_SIDECAR_TENSOR_PARALLEL_SIZE": "2",
-        "ROLLOUT_SIDECAR_SHARE_HOST_STAGING": str(request.param == "shared").lower(),
-        "ROLLOUT_SIDECAR_TEST_FAULT_FILE": str(fault),
-        "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"})
-    s.fault_file = fault
+        "ROLLOUT_SIDECAR_SHARE_HOST_STAGING": str(staging == "shared").lower(),
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))})
+
+
+@pytest.fixture(scope="module", params=["shared", "per-worker"])
+@serves(tp2_spec)
+def tp2(server_plan, request):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("TP=2 on vLLM-CPU needs two cores")
+    s = server_plan.take(tp2_spec(request.param))
     s.shared = request.param == "shared"
-    mine = set(Path("/dev/shm").glob("rollout-sidecar-*")) - roots
-    assert len(mine) == (1 if s.shared else 0), mine
+    with s.client() as c:
+        staging = Path("/dev/shm") / f"rollout-sidecar-{c.info().boot_id}"
+    # A host-shared staging area (host_share.py) exists only when shared.
+    assert staging.exists() == s.shared, staging
     # The rank that checks CRCs: the leader alone when shared, else rank 1 as well.
     s.checking_rank = 0 if s.shared else 1
     yield s
     stop_server(s)
     # The shared staging goes with the server.
-    assert not [d for d in mine if d.exists()], mine
+    assert not staging.exists(), staging
 
 
 @pytest.fixture(scope="module")

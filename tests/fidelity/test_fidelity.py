@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from tests import processes
-from tests.conftest import Server, start_server, stop_server
-from tests.fidelity.zoo import FAMILIES, write_family
+from tests.conftest import Server, ServerSpec, serves, stop_server
+from tests.fidelity.zoo import FAMILIES
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("fidelity_worker.py")
@@ -47,27 +47,26 @@ class FamilyServer:
     fault_file: Path
 
 
-def _serve(family: str, dtype: str, tmp: Path) -> FamilyServer:
-    path = write_family(family, tmp / family)
-    fault = tmp / "fault"
-    fault.write_text("")
-    server = start_server(tmp, f"{family}-{dtype}", model=path, dtype=dtype,
-                          extra_env={"ROLLOUT_SIDECAR_TEST_FAULT_FILE": str(fault)})
-    return FamilyServer(family, server, fault)
+def family_spec(family: str, dtype: str) -> ServerSpec:
+    return ServerSpec(f"{family}-{dtype}", dtype=dtype, family=family, fault_file=True)
+
+
+def _serve(plan, family: str, dtype: str):
+    server = plan.take(family_spec(family, dtype))
+    yield FamilyServer(family, server, server.fault_file)
+    stop_server(server)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def fp32_family(request, tmp_path_factory):
-    fs = _serve(request.param, "float32", tmp_path_factory.mktemp(request.param))
-    yield fs
-    stop_server(fs.server)
+@serves(lambda family: family_spec(family, "float32"))
+def fp32_family(request, server_plan):
+    yield from _serve(server_plan, request.param, "float32")
 
 
 @pytest.fixture(scope="module", params=BF16_FAMILIES)
-def bf16_family(request, tmp_path_factory):
-    fs = _serve(request.param, "bfloat16", tmp_path_factory.mktemp(request.param + "-bf16"))
-    yield fs
-    stop_server(fs.server)
+@serves(lambda family: family_spec(family, "bfloat16"))
+def bf16_family(request, server_plan):
+    yield from _serve(server_plan, request.param, "bfloat16")
 
 
 def run_worker(fs: FamilyServer, tmp_path: Path, wrappers: str = "fsdp2",

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests import processes
-from tests.conftest import REPO, free_port, start_server, stop_server
+from tests.conftest import REPO, ServerSpec, free_port, serves, stop_server
 
 WORKER = Path(__file__).with_name("trl_worker.py")
 STEPS = 3
@@ -31,12 +31,16 @@ TEMPERATURE = 0.9
 SAMPLING_GAP_TOL = 1e-3
 pytestmark = pytest.mark.slow
 
+# Processed logprobs: what TRL's importance-sampling correction compares with
+# its own temperature-scaled ones (the runs sample at TEMPERATURE).
+SERVER = ServerSpec.of("trl", dtype="float32",
+                       env={"ROLLOUT_SIDECAR_LOGPROBS_MODE": "processed_logprobs"})
+
+
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    # Processed logprobs: what TRL's importance-sampling correction compares with
-    # its own temperature-scaled ones (the runs sample at TEMPERATURE).
-    s = start_server(tmp_path_factory.mktemp("trl"), "trl", dtype="float32",
-                     extra_env={"ROLLOUT_SIDECAR_LOGPROBS_MODE": "processed_logprobs"})
+@serves(SERVER)
+def srv(server_plan):
+    s = server_plan.take(SERVER)
     yield s
     stop_server(s)
 

@@ -4,12 +4,13 @@ response's logprobs fingerprint the weights that produced it."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import Server, ServerSpec, serves, stop_server
 from tests.reliability.oracle import VersionedWeights
 
 LEASE_S = 3  # a second trainer within this of the first one's last push is refused
@@ -21,17 +22,20 @@ class Trainer:
     weights: VersionedWeights
 
 
+# Fixed per session, so another replica (test_restart_soak.py) can share them.
+TOKENS = {"ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
+          "ROLLOUT_SIDECAR_ADMIN_TOKEN": secrets.token_hex(8)}
+RELIABLE = ServerSpec.of("reliable", dtype="float32", fault_file=True, env={
+    **TOKENS,
+    "ROLLOUT_SIDECAR_CONNECTION_LEASE_S": str(LEASE_S),
+    "ROLLOUT_SIDECAR_CONNECT_TIMEOUT_MAX_S": "10",
+    "ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S": "30"})
+
+
 @pytest.fixture(scope="package")
-def reliable(tmp_path_factory) -> Server:
-    tmp = tmp_path_factory.mktemp("reliable")
-    fault = tmp / "fault"
-    fault.write_text("")
-    s = start_server(tmp, "reliable", dtype="float32", extra_env={
-        "ROLLOUT_SIDECAR_TEST_FAULT_FILE": str(fault),
-        "ROLLOUT_SIDECAR_CONNECTION_LEASE_S": str(LEASE_S),
-        "ROLLOUT_SIDECAR_CONNECT_TIMEOUT_MAX_S": "10",
-        "ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S": "30"})
-    s.fault_file = fault
+@serves(RELIABLE)
+def reliable(server_plan) -> Server:
+    s = server_plan.take(RELIABLE)
     yield s
     stop_server(s)
 

