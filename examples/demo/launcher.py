@@ -21,7 +21,6 @@ from rollout_sidecar.server.launcher import (
     API_TOKEN_ENV,
     ServerProcess,
     ServerStartError,
-    free_port,
     launch_server,
     stop_process,
 )
@@ -51,8 +50,12 @@ def launch_demo(steps: int, model: str | None, nproc: int, server_url: str | Non
             env={"ROLLOUT_SIDECAR_LM_HEAD_FP32": "1"} if lm_head_fp32 else None)
         server_url, env = server.url, server.env
         print(f"starting the server on {server_url} (log: {log})", flush=True)
+    # The rendezvous port is bound by torchrun's agent itself (127.0.0.1:0): a
+    # port picked here and bound later could be taken in between (two demos
+    # side by side, or anything else on the machine).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "-m", "rollout_sidecar.demo.loop",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+           "--local-addr", "127.0.0.1", "-m", "rollout_sidecar.demo.loop",
            "--url", server_url, "--model", str(model_path), "--steps", str(steps),
            "--out", str(out_dir), "--seed", str(seed)] + ([] if push else ["--no-push"])
     trainer = subprocess.Popen(cmd, env=env)
