@@ -21,11 +21,13 @@ _EXPORTS = {
     "GenerateResponse": "rollout_sidecar.client.protocol",
     "Sample": "rollout_sidecar.client.protocol",
     "SamplingConfig": "rollout_sidecar.client.protocol",
+    "VersionSpan": "rollout_sidecar.client.protocol",
 }
 
 __all__ = [
     "AsyncGenerationClient", "GenerateRequest", "GenerateResponse", "GenerationClient",
     "LivenessPolicy", "ReplicaState", "RetryPolicy", "Sample", "SamplingConfig", "SidecarError",
+    "VersionSpan",
 ]
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
         GenerateResponse,
         Sample,
         SamplingConfig,
+        VersionSpan,
     )
     from rollout_sidecar.client.replica_pool import ReplicaState
     from rollout_sidecar.client.request_plans import RetryPolicy, SidecarError

@@ -126,7 +126,9 @@ class ServerSettings(BaseSettings):
     )
 
     commit_policy: CommitPolicy = Field(
-        "wait", description="In-flight requests at a weight commit: wait | abort | keep."
+        "wait", description="In-flight requests at a weight commit: wait (finish on the old "
+        "weights first) | abort (end them) | keep (continue on the new weights, which "
+        "prefill prompt and tokens so far again) | resume (keep by its other name)."
     )
     engine_wait: Literal["nap", "spin"] = Field(
         "nap", description="CPU only: how vLLM's engine core and workers wait for their next "

@@ -97,8 +97,8 @@ def test_submit_side_waits_for_every_generator_then_in_flight_for_every_finish()
             with pytest.raises(StopAsyncIteration):
                 await g.__anext__()
         assert counts(engine.gate) == (0, 0) and not engine.tracker.tracks
-        assert tag.fields() == {"weight_version": 0, "weight_versions": [0],
-                                "weight_suspect": False}
+        assert tag.fields() == {"weight_version": 0, "versions_used": [0],
+                                "weight_versions": [0], "weight_suspect": False}
         with tag.current(), pytest.raises(LateSubmit):
             client.generate("p", None, "late")
         await tag.release()

@@ -22,6 +22,7 @@ from rollout_sidecar.client.protocol.generate_api import (
     Sample,
     SamplingConfig,
     Usage,
+    VersionSpan,
 )
 from rollout_sidecar.client.protocol.weights_api import (
     AbortRequest,
@@ -54,5 +55,5 @@ __all__ = [
     "GenerateRequest", "GenerateResponse", "HealthResponse", "InfoResponse", "LastPush",
     "LoraStatus", "PatchInfo", "PrepareRequest", "PrepareResponse", "ProbeRequest",
     "ProbeResult", "PromptResult", "Sample", "SamplingConfig", "TensorInfo", "TensorSlot",
-    "Transport", "Usage", "WeightIndex", "WeightStatus",
+    "Transport", "Usage", "VersionSpan", "WeightIndex", "WeightStatus",
 ]

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 FinishReason = Literal["stop", "length", "abort"]
-CommitPolicy = Literal["wait", "abort", "keep"]
+CommitPolicy = Literal["wait", "abort", "keep", "resume"]
 
 
 def _no_bool(v: object) -> object:

@@ -113,6 +113,20 @@ class GenerateRequest(StrictModel):
         return len(self.prompts if self.prompts is not None else self.prompt_token_ids or [])
 
 
+class VersionSpan(ReplyModel):
+    """Generated tokens `[start, end)` were sampled from the logits of weight
+    version `version` (vLLM's and SGLang's shape, with an integer version)."""
+
+    version: int
+    start: int
+    end: int
+    resumed: bool = Field(
+        False, description="This span began with its version prefilling the prompt and "
+        "every token before `start` again, so its tokens attend to a KV cache this version "
+        "alone built. True for every span after the first: at a `keep` commit the engine "
+        "recomputes the cache of each running request on the new weights.")
+
+
 class Sample(ReplyModel):
     """One sampled continuation."""
 
@@ -125,6 +139,19 @@ class Sample(ReplyModel):
         "'Infinity', '-Infinity'; the client parses them into floats."
     )
     finish_reason: FinishReason
+    weight_versions: list[VersionSpan] | None = Field(
+        None, description="Which weights sampled each token: half-open, contiguous spans "
+        "over token_ids, in order (one span unless a commit with policy 'keep' ran under "
+        "the request). Token j's version computed the logits it was sampled from, over a KV "
+        "cache built by that same version (a keep commit re-prefills). [] when no token "
+        "was sampled; null when the server cannot tell (a server older than this field)."
+    )
+
+    def token_versions(self) -> list[int] | None:
+        """The version of each token in `token_ids` (None without spans)."""
+        if self.weight_versions is None:
+            return None
+        return [s.version for s in self.weight_versions for _ in range(s.start, s.end)]
 
 
 class PromptResult(ReplyModel):
@@ -144,18 +171,33 @@ class Usage(BaseModel):
 
 class GenerateResponse(ReplyModel):
     results: list[PromptResult]
-    weight_version: int = Field(description="Weight version every token came from.")
+    weight_version: int = Field(description="The version the request was admitted under: "
+                                "every token's, unless a commit with policy 'keep' ran "
+                                "under it (then see each sample's weight_versions).")
+    versions_used: list[int] = Field(
+        default_factory=list, description="Every version that produced a token of this "
+        "response, ascending; more than one only with commit policy 'keep'.")
     weight_versions: list[int] = Field(
-        description="All versions that produced tokens; more than one only with "
-        "commit policy 'keep'."
+        description="Deprecated (removed in 0.3): versions_used under its old name. Each "
+        "sample's weight_versions now holds its per-token spans, as vLLM and SGLang name "
+        "them, so a loop written against either reads ours unchanged.",
+        json_schema_extra={"deprecated": True},
     )
     weight_suspect: bool = Field(
         False, description="True if the trainer's post-push probe found one of "
-        "weight_versions serving logprobs beyond tolerance from its own forward pass "
+        "versions_used serving logprobs beyond tolerance from its own forward pass "
         "(see /weights/status). Such tokens are not from the trained policy."
     )
     boot_id: str = Field("", description="The server process's boot id (see /weights/status).")
     usage: Usage
+
+    @model_validator(mode="before")
+    @classmethod
+    def _versions_used_from_old_name(cls, data: Any) -> Any:
+        # A server older than versions_used sends only the old name.
+        if isinstance(data, dict) and "versions_used" not in data and "weight_versions" in data:
+            data = {**data, "versions_used": data["weight_versions"]}
+        return data
 
 
 # ------------------------------------------------------------------ status

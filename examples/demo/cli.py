@@ -21,10 +21,13 @@ def demo(
     seed: int = typer.Option(0),
     lm_head_fp32: bool = typer.Option(
         False, help="Started server and trainer compute the lm_head in fp32."),
+    async_rollouts: bool = typer.Option(
+        False, "--async", help="Generate step t+1's rollouts while step t trains and pushes "
+        "(commit policy keep; per-token versions from the spans; docs/async-rl.md)."),
 ) -> None:
     """The online RL loop on the sidecar: FSDP2 trainer, rollouts, a push per step."""
     from rollout_sidecar.demo.launcher import launch_demo
 
     raise typer.Exit(launch_demo(steps=steps, model=model, nproc=nproc, server_url=server_url,
                                  out_dir=out_dir, push=push, seed=seed,
-                                 lm_head_fp32=lm_head_fp32))
+                                 lm_head_fp32=lm_head_fp32, async_rollouts=async_rollouts))

@@ -36,7 +36,8 @@ def _default_model_path() -> Path:
 
 
 def launch_demo(steps: int, model: str | None, nproc: int, server_url: str | None,
-                out_dir: Path, push: bool, seed: int, lm_head_fp32: bool = False) -> int:
+                out_dir: Path, push: bool, seed: int, lm_head_fp32: bool = False,
+                async_rollouts: bool = False) -> int:
     t0 = time.monotonic()
     model_path = Path(model) if model else _default_model_path()
     env = dict(os.environ)
@@ -57,7 +58,8 @@ def launch_demo(steps: int, model: str | None, nproc: int, server_url: str | Non
            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
            "--local-addr", "127.0.0.1", "-m", "rollout_sidecar.demo.loop",
            "--url", server_url, "--model", str(model_path), "--steps", str(steps),
-           "--out", str(out_dir), "--seed", str(seed)] + ([] if push else ["--no-push"])
+           "--out", str(out_dir), "--seed", str(seed)] + ([] if push else ["--no-push"]) + (
+               ["--async-rollouts"] if async_rollouts else [])
     trainer = subprocess.Popen(cmd, env=env)
     try:
         code = _wait(trainer, server)

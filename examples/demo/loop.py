@@ -10,6 +10,14 @@ letters. A random byte-level model hits one about 1 time in 10 (26 of 264
 tokens); a dozen steps of RL (about a minute on 2 CPU cores, the server's
 start included) teach it to write mostly letters.
 
+With `--async-rollouts` (`rollout-sidecar demo --async`) the rollouts of step
+t+1 are generated while step t trains and pushes, on whatever weights are
+served (commit policy `keep`: a push lands under the running requests). Each
+token's version comes from its sample's `weight_versions` spans; the loss's
+importance ratio is against the served logprob of each token, the exact
+probability it was sampled with, and tokens more than `--max-lag` versions
+behind the trainer are masked out (docs/async-rl.md).
+
 Precision follows the server, as in a real run: the body computes in the
 serving dtype (FSDP2 mixed precision, fp32 master weights), and the lm_head in
 fp32 when the server computes its head in fp32 (`--lm-head-fp32`). Each step
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -50,9 +59,10 @@ def group_advantages(rewards: list[list[float]]) -> list[list[float]]:
 
 def policy_loss(model: torch.nn.Module, rows: list[dict], clip: float = 0.2
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO-clip loss over (prompt, tokens, server logprobs, advantage) rows, in
-    one right-padded batch; each sample's tokens are averaged, then samples.
-    Also returns [sum |logp - rollout logp|, token count] for the drift metric."""
+    """PPO-clip loss over (prompt, tokens, server logprobs, advantage, token
+    mask) rows, in one right-padded batch; each sample's tokens are averaged,
+    then samples. Also returns [sum |logp - rollout logp|, token count, stale
+    token count] for the drift metric."""
     assert rows, "every rank needs rows: its forward is a collective under FSDP"
     seqs = [r["prompt"] + r["tokens"] for r in rows]
     width = max(map(len, seqs))
@@ -63,7 +73,7 @@ def policy_loss(model: torch.nn.Module, rows: list[dict], clip: float = 0.2
     for i, (r, seq) in enumerate(zip(rows, seqs, strict=True)):
         ids[i, : len(seq)] = torch.tensor(seq)
         start, end = len(r["prompt"]) - 1, len(seq) - 1  # positions predicting the tokens
-        mask[i, start:end] = 1.0
+        mask[i, start:end] = torch.tensor(r["token_mask"], dtype=torch.float32)
         old[i, start:end] = torch.tensor(r["old_logprobs"])
         targets[i, start:end] = torch.tensor(r["tokens"])
     # Right padding needs no mask: causal attention never looks at later positions.
@@ -72,8 +82,18 @@ def policy_loss(model: torch.nn.Module, rows: list[dict], clip: float = 0.2
     ratio = torch.exp((logp - old) * mask)
     adv = torch.tensor([r["advantage"] for r in rows])[:, None]
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv) * mask
-    drift = torch.stack([((logp.detach() - old).abs() * mask).sum(), mask.sum()])
+    stale = sum(len(r["token_mask"]) - sum(r["token_mask"]) for r in rows)
+    drift = torch.stack([((logp.detach() - old).abs() * mask).sum(), mask.sum(),
+                         torch.tensor(float(stale))])
     return (per_token.sum(1) / mask.sum(1).clamp(min=1)).mean(), drift
+
+
+def token_versions(sample: dict, admitted: int) -> list[int]:
+    """The version of each token, from the sample's spans (docs/async-rl.md)."""
+    spans = sample.get("weight_versions")
+    if spans is None:  # a server without spans: every token from the admission version
+        return [admitted] * len(sample["token_ids"])
+    return [s["version"] for s in spans for _ in range(s["start"], s["end"])]
 
 
 def shard(model: torch.nn.Module, body_dtype: torch.dtype, fp32_head: bool) -> None:
@@ -101,6 +121,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--async-rollouts", action="store_true",
+                    help="generate step t+1's rollouts while step t trains and pushes")
+    ap.add_argument("--max-lag", type=int, default=1,
+                    help="async: mask tokens more than this many versions behind")
     args = ap.parse_args()
 
     t_start = time.perf_counter()
@@ -122,8 +146,19 @@ def main() -> None:
     fp32_head = info["lm_head_dtype"] == "float32"
     shard(model, getattr(torch, info["dtype"]), fp32_head)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    pusher = WeightPusher(args.url)
+    # Async: a push lands under the next step's running rollouts, which go on
+    # on the new weights (their spans say where).
+    pusher = WeightPusher(args.url, commit_policy="keep" if args.async_rollouts else None)
     version = info["weight_version"]
+    pool = ThreadPoolExecutor(1) if client else None
+
+    def rollouts(step: int, min_version: int | None) -> dict:
+        assert client is not None
+        return client.generate(PROMPTS, sampling=dict(
+            n=args.samples, max_tokens=args.max_tokens, temperature=1.0,
+            seed=args.seed * 100_003 + step), min_weight_version=min_version).model_dump()
+
+    pending = pool.submit(rollouts, 1, version) if pool else None
     records: list[dict] = []
     bar = _progress(args.steps) if rank == 0 else None
     setup_s = dict(load=t_loaded - t_start, wait_server=t_ready - t_loaded,
@@ -131,21 +166,23 @@ def main() -> None:
 
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        box: list = [None]
-        if client:
-            resp = client.generate(PROMPTS, sampling=dict(
-                n=args.samples, max_tokens=args.max_tokens, temperature=1.0,
-                seed=args.seed * 100_003 + step), min_weight_version=version)
-            box = [resp.model_dump()]
+        box: list = [pending.result() if pending else None]
         dist.broadcast_object_list(box, src=0)
         resp_d = box[0]
+        if pool and args.async_rollouts and step < args.steps:
+            # The next step's rollouts, on whatever is served, while this one trains.
+            pending = pool.submit(rollouts, step + 1, None)
         t1 = time.perf_counter()
         rewards = [[reward(s["token_ids"]) for s in p["samples"]] for p in resp_d["results"]]
         advs = group_advantages(rewards)
         rows = [dict(prompt=p["prompt_token_ids"], tokens=s["token_ids"],
-                     old_logprobs=s["logprobs"], advantage=a)
+                     old_logprobs=s["logprobs"], advantage=a,
+                     token_mask=[float(version - v <= args.max_lag)
+                                 for v in token_versions(s, resp_d["weight_version"])])
                 for p, ga in zip(resp_d["results"], advs, strict=True)
                 for s, a in zip(p["samples"], ga, strict=True)]
+        lags = [version - v for p in resp_d["results"] for s in p["samples"]
+                for v in token_versions(s, resp_d["weight_version"])]
         loss, drift = policy_loss(model, rows[rank::world])  # every rank: same forwards
         dist.all_reduce(drift)
         loss.backward()
@@ -157,11 +194,15 @@ def main() -> None:
             res = pusher.push(model, version=version + 1)
             version, push_s, probe = res.version, res.timings["total_s"], res.probe_gap
             drifted, timings = res.probe.drifted if res.probe else None, res.timings
+        if pool and not args.async_rollouts and step < args.steps:
+            pending = pool.submit(rollouts, step + 1, version)  # from the weights just pushed
         t3 = time.perf_counter()
         mean_r = sum(map(sum, rewards)) / sum(map(len, rewards))
         rec = dict(step=step, reward=mean_r, push_s=push_s, weight_version=version,
                    served_version=resp_d["weight_version"], loss=float(loss.detach()),
                    train_rollout_logprob_abs_diff=float(drift[0] / drift[1]),
+                   masked_stale_tokens=int(drift[2]),
+                   mean_token_lag=sum(lags) / max(1, len(lags)),
                    probe_abs_dlogp=probe, probe_drifted=drifted, push_timings=timings,
                    lm_head_dtype=info["lm_head_dtype"],
                    gen_tokens_per_s=resp_d["usage"]["completion_tokens"] / (t1 - t0),
@@ -172,6 +213,8 @@ def main() -> None:
     if rank == 0:
         bar.close()
         _write_report(args.out, records, vars(args), setup_s)
+    if pool:
+        pool.shutdown()
     pusher.close()  # the server's data plane is free for the next trainer at once
     dist.destroy_process_group()
 
@@ -200,6 +243,7 @@ def _timing(records: list[dict], setup_s: dict) -> dict:
         setup_s={k: round(v, 2) for k, v in setup_s.items()},
         steps_s=round(sum(steps), 2), first_step_s=round(records[0]["phase_s"]["step"], 2),
         median_step_s=round(steps[len(steps) // 2], 2),
+        steps_per_s=round(len(steps) / sum(steps), 4),
         phase_totals_s={k: round(sum(r["phase_s"][k] for r in records), 2)
                         for k in ("generate", "train", "push")},
         first_probe_s=records[0]["push_timings"].get("probe_s"))

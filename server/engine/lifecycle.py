@@ -117,6 +117,9 @@ class GenerationEngine:
         self.llm = AsyncLLM.from_vllm_config(
             vllm_config, stat_loggers=[self.metrics.stat_logger_factory()]
         )
+        # The label vLLM stamps on every step's outputs (engine/version_spans.py):
+        # ours from the first token, never vLLM's "default".
+        await self.llm.update_weight_version(str(self.gate.version))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         mc = self.llm.model_config
         pc = self.llm.vllm_config.parallel_config

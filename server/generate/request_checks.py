@@ -30,6 +30,7 @@ def check_request(req: GenerateRequest, settings: Any) -> None:
         raise BadRequest(err[1], err[0])
     if req.min_weight_version is not None and req.min_weight_version < 0:
         raise BadRequest("min_weight_version must be >= 0", "min_weight_version")
+
     sequences = req.num_prompts * req.sampling.n
     if sequences > settings.max_sequences_per_request:
         raise BadRequest(f"{req.num_prompts} prompts x n={req.sampling.n} = {sequences} "

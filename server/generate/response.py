@@ -1,9 +1,9 @@
 """vLLM's outputs of one /generate request as a `GenerateResponse`.
 
 The shaping is kept apart from the orchestration (service.py) because it is
-where the honesty of a response is decided: the versions it names come from
-the gate, between the version it was admitted under and the last version any
-of its prompts finished on (see engine/version_gate.py).
+where the honesty of a response is decided: each sample's per-token spans
+come from the engine's step labels (engine/version_spans.py), and the
+response's `versions_used` are the versions those spans name.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from rollout_sidecar.client.protocol import (
     PromptResult,
     Sample,
     Usage,
+    VersionSpan,
 )
 from rollout_sidecar.server.engine.request_tracking import Track
 from rollout_sidecar.server.engine.version_gate import VersionGate
+from rollout_sidecar.server.engine.version_spans import sample_spans, versions_used
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 
 
@@ -28,8 +30,14 @@ def build_response(req: GenerateRequest, start: int, prompt_ids: list[list[int]]
     """`start`: the version the request was admitted under; `tracks` carry the
     version each prompt finished on."""
     results, prompt_tokens, completion_tokens = [], 0, 0
+    spans = []
     for ids, out in zip(prompt_ids, outputs, strict=True):
-        samples = [sample(c, req.sampling.logprobs) for c in out.outputs]
+        samples = [sample(c, req.sampling.logprobs, sample_spans(c, start, gate))
+                   for c in out.outputs]
+        spans += [s.weight_versions for s in samples]
+        for s in samples:  # how far behind the served version each token is, delivered
+            for span in s.weight_versions or []:
+                metrics.token_lag.add(gate.version - span.version, span.end - span.start)
         prompt_tokens += len(ids)
         completion_tokens += sum(len(s.token_ids) for s in samples)
         results.append(PromptResult(
@@ -38,10 +46,13 @@ def build_response(req: GenerateRequest, start: int, prompt_ids: list[list[int]]
             if req.sampling.prompt_logprobs else None))
     metrics.prompt_tokens.inc(prompt_tokens)
     metrics.generated_tokens.inc(completion_tokens)
-    end = max((t.finish_version or start) for t in tracks)
-    versions = gate.versions_between(start, end)
+    versions = versions_used(spans, start)
+    if versions is None:  # no labels from the engine: what the gate saw
+        end = max((t.finish_version or start) for t in tracks)
+        versions = gate.versions_between(start, end)
     return GenerateResponse(
-        results=results, weight_version=start, weight_versions=versions,
+        results=results, weight_version=start, versions_used=versions,
+        weight_versions=versions,
         weight_suspect=any(v in gate.suspect for v in versions),
         boot_id=boot_id,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -54,8 +65,8 @@ def prompt_logprobs(ids: list[int], plps: Any) -> list[float | None]:
     return [None if d is None else float(d[t].logprob) for t, d in zip(ids, plps, strict=True)]
 
 
-def sample(c: Any, want_logprobs: bool) -> Sample:
-    """One vLLM `CompletionOutput` as a `Sample`."""
+def sample(c: Any, want_logprobs: bool, spans: list[VersionSpan] | None = None) -> Sample:
+    """One vLLM `CompletionOutput` as a `Sample`, with its version spans."""
     token_ids = list(c.token_ids)
     logprobs = None
     if want_logprobs:
@@ -63,4 +74,5 @@ def sample(c: Any, want_logprobs: bool) -> Sample:
                                                               strict=True)]
     # Anything but a natural stop or the length limit (e.g. an abort) is "abort".
     reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-    return Sample(text=c.text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+    return Sample(text=c.text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
+                  weight_versions=spans)

@@ -3,7 +3,8 @@
 One request's prompts enter the engine together (so vLLM batches them) under
 one `Lease` of the version gate, which is what makes the response's version
 tag honest: no commit can slip between admission and submission, and a commit
-that publishes while the prompts run is named in `weight_versions`.
+that publishes while the prompts run is named in `versions_used` (and in each
+sample's per-token `weight_versions` spans).
 `score` is the same path with prompt logprobs, for the weight probe.
 """
 
@@ -80,8 +81,8 @@ class GenerateService:
         r = await self.generate(GenerateRequest(
             prompt_token_ids=[token_ids], min_weight_version=version,
             sampling=SamplingConfig(max_tokens=1, logprobs=False, prompt_logprobs=True)))
-        if r.weight_versions != [version]:
+        if r.versions_used != [version]:
             raise BadRequest(f"version {version} is no longer served (now "
-                             f"{r.weight_versions})", "version")
+                             f"{r.versions_used})", "version")
         lps = r.results[0].prompt_logprobs or []
         return [float("nan") if lp is None else lp for lp in lps[1:]]

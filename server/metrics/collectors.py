@@ -6,6 +6,38 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+
+
+class TokenLagHistogram:
+    """rollout_sidecar_token_version_lag: per sampled token, how many versions
+    behind the served one its own was when its response was delivered (0
+    unless a `keep` commit ran under its request).
+
+    A collector of our own because a response adds thousands of tokens at
+    once: prometheus_client's Histogram observes one value at a time."""
+
+    BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32)
+    NAME = "rollout_sidecar_token_version_lag"
+    HELP = ("Per sampled token: the served version when its response was delivered minus "
+            "the version that sampled it.")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counts = [0] * (len(self.BUCKETS) + 1)  # the last: over every bucket
+        self.total = 0
+        registry.register(self)
+
+    def add(self, lag: int, tokens: int) -> None:
+        i = next((i for i, b in enumerate(self.BUCKETS) if lag <= b), len(self.BUCKETS))
+        self.counts[i] += tokens
+        self.total += lag * tokens
+
+    def collect(self) -> Any:
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(str, self.BUCKETS), "+Inf"], self.counts, strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily(self.NAME, self.HELP, buckets=buckets, sum_value=self.total)
 
 
 class ServerMetrics:
@@ -22,6 +54,7 @@ class ServerMetrics:
         self.generated_tokens = Counter(
             "rollout_sidecar_generated_tokens_total", "Tokens sampled.", registry=r
         )
+
         self.engine_generation_tokens = Counter(
             "rollout_sidecar_engine_generation_tokens_total",
             "Tokens the engine sampled, delivered or not (work aborted for a client that "
@@ -82,6 +115,7 @@ class ServerMetrics:
             "rollout_sidecar_weight_commit_seconds", "Pause-load-resume time of a commit.",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r,
         )
+        self.token_lag = TokenLagHistogram(r)
 
     def stat_logger_factory(self) -> Any:
         """A vLLM stat-logger class that copies scheduler stats into our gauges."""

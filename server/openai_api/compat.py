@@ -26,6 +26,10 @@ Honest tags, with the lease protocol of /generate (see engine/version_gate.py):
 4. Each generator's finish version is tracked like /generate's (registered
    with the engine, so a commit's `freeze_finished` sees it) and a response
    reports `gate.versions_between(admission, last version it read)`.
+5. Each finished choice gets its per-token `weight_versions` spans
+   (engine/version_spans.py): in the body, and in a stream in the choice's
+   last chunk (the one with its finish_reason), unless the request says
+   `return_weight_versions: false`.
 
 A `generate()` after the submit side was released would run under a version
 the tag does not name (vLLM's beam search submits once per step): refused.
@@ -43,9 +47,11 @@ from typing import Any
 
 from starlette.datastructures import State
 
+from rollout_sidecar.client.protocol import VersionSpan
 from rollout_sidecar.server.engine.lifecycle import GenerationEngine
 from rollout_sidecar.server.engine.request_tracking import abort_quietly
 from rollout_sidecar.server.engine.version_gate import Lease
+from rollout_sidecar.server.engine.version_spans import sample_spans
 
 _CURRENT: contextvars.ContextVar[RequestTag | None] = contextvars.ContextVar(
     "rollout_sidecar_openai_tag", default=None)
@@ -58,10 +64,15 @@ class LateSubmit(RuntimeError):
 class RequestTag:
     """One /v1 request's lease and the versions its generators read under."""
 
-    def __init__(self, engine: GenerationEngine, lease: Lease) -> None:
+    def __init__(self, engine: GenerationEngine, lease: Lease, n: int = 1,
+                 spans: bool = True) -> None:
         self.engine = engine
         self.lease = lease
         self.last = lease.version  # highest version any output was read under
+        self.n = n  # choices per prompt: choice index = prompt index * n + output index
+        self.want_spans = spans  # the request's return_weight_versions
+        # choice index -> its per-token spans, once that choice finished
+        self.spans: dict[int, list[VersionSpan] | None] = {}
         self._pending = 0  # generators created whose request the engine has not accepted
         self._running = 0  # generators created and not finished
         self._submit_open = True
@@ -79,8 +90,25 @@ class RequestTag:
         """What every /v1 response carries, as of now."""
         gate = self.engine.gate
         versions = gate.versions_between(self.lease.version, self.last)
-        return {"weight_version": self.lease.version, "weight_versions": versions,
+        return {"weight_version": self.lease.version, "versions_used": versions,
+                "weight_versions": versions,
                 "weight_suspect": any(v in gate.suspect for v in versions)}
+
+    def finished_choice(self, prompt_index: int, output: Any) -> None:
+        """Record a finished choice's spans (engine/version_spans.py)."""
+        self.spans[prompt_index * self.n + output.index] = sample_spans(
+            output, self.lease.version, self.engine.gate)
+
+    def add_spans(self, choices: list[dict[str, Any]]) -> None:
+        """Each finished choice's `weight_versions` spans, in place, as vLLM's
+        and SGLang's OpenAI routes give them (only if the request wants them)."""
+        if not self.want_spans:
+            return
+        for choice in choices:
+            if choice.get("finish_reason") is not None and "index" in choice:
+                spans = self.spans.get(choice["index"])
+                choice["weight_versions"] = (None if spans is None
+                                             else [s.model_dump() for s in spans])
 
     def _created(self, gen: AsyncGenerator[Any, None]) -> None:
         if not self._submit_open:
@@ -129,12 +157,12 @@ class GatedEngineClient:
         tag = _CURRENT.get()
         if tag is None:  # ungated generation would carry no honest version
             raise LateSubmit("generate() outside an admitted /v1 request")
-        gen = self._run(tag, prompt, sampling_params, request_id, kwargs)
+        gen = self._run(tag, len(tag._gens), prompt, sampling_params, request_id, kwargs)
         tag._created(gen)
         return gen
 
-    async def _run(self, tag: RequestTag, prompt: Any, params: Any, request_id: str,
-                   kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
+    async def _run(self, tag: RequestTag, index: int, prompt: Any, params: Any,
+                   request_id: str, kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
         from vllm.outputs import STREAM_FINISHED
         from vllm.sampling_params import RequestOutputKind
 
@@ -159,6 +187,9 @@ class GatedEngineClient:
                 tag.last = max(tag.last, track.finish_version if finished else gate.version)
                 if out is STREAM_FINISHED:
                     continue
+                for c in out.outputs:
+                    if c.finish_reason is not None:
+                        tag.finished_choice(index, c)
                 n = sum(len(c.token_ids) for c in out.outputs)
                 sampled = sampled + n if deltas else n
                 if finished:
@@ -187,8 +218,15 @@ def tagged_chunks(chunks: AsyncIterator[str], tag: RequestTag) -> AsyncIterator[
         try:
             async for chunk in chunks:
                 if chunk.startswith("data: {") and not chunk.startswith('data: {"error"'):
-                    fields = json.dumps(tag.fields(), separators=(",", ":"))
-                    chunk = "data: " + fields[:-1] + "," + chunk[len("data: {"):]
+                    if '"finish_reason":"' in chunk and tag.want_spans:
+                        # A choice's last chunk: its spans go in (parsed only here).
+                        body = json.loads(chunk[len("data: "):])
+                        tag.add_spans(body.get("choices") or [])
+                        body = {**tag.fields(), **body}
+                        chunk = "data: " + json.dumps(body, separators=(",", ":")) + "\n\n"
+                    else:
+                        fields = json.dumps(tag.fields(), separators=(",", ":"))
+                        chunk = "data: " + fields[:-1] + "," + chunk[len("data: {"):]
                 yield chunk
         finally:
             aclose = getattr(chunks, "aclose", None)

@@ -2,9 +2,11 @@
 
 vLLM's own OpenAI handlers (state built in compat.py) behind our API
 token and version gate. Every response carries `weight_version`,
-`weight_versions` and `weight_suspect` (in the JSON body; in every chunk of a
-stream) and an `X-Weight-Version` header; requests accept
-`min_weight_version` as an extra body field.
+`versions_used` (and its deprecated old name `weight_versions`) and
+`weight_suspect` (in the JSON body; in every chunk of a stream) and an
+`X-Weight-Version` header; each finished choice carries its per-token
+`weight_versions` spans (in a stream: its last chunk). Requests accept
+`min_weight_version` and `return_weight_versions` as extra body fields.
 
 Errors: ours (401, 409 min_weight_version, 400 from our checks, 422 schema,
 503) have our `{error, field, detail}` shape, as on /generate; errors from
@@ -68,6 +70,15 @@ def _min_version(body: BaseModel) -> int | None:
     return value
 
 
+def _return_spans(body: BaseModel) -> bool:
+    """`return_weight_versions` (an extra body field, as in vLLM's proposal):
+    each finished choice's per-token version spans; on unless false."""
+    value = (body.model_extra or {}).get("return_weight_versions", True)
+    if not isinstance(value, bool):
+        raise BadRequest("return_weight_versions must be a boolean", "return_weight_versions")
+    return value
+
+
 def _check(body: Any, cap: int) -> None:
     if getattr(body, "use_beam_search", False):
         # Beam search submits once per step, past the submit hold: untaggable.
@@ -98,8 +109,9 @@ async def _serve(body: Any, request: Request,
 
     engine, settings = request.app.state.engine, request.app.state.settings
     _check(body, settings.max_sequences_per_request)
+    want_spans = _return_spans(body)
     lease = await engine.gate.admit(_min_version(body), settings.min_version_wait_s)
-    tag = RequestTag(engine, lease)
+    tag = RequestTag(engine, lease, n=body.n or 1, spans=want_spans)
     streaming = False
     try:
         with tag.current():
@@ -108,7 +120,9 @@ async def _serve(body: Any, request: Request,
             return JSONResponse(result.model_dump(), status_code=result.error.code)
         headers = {VERSION_HEADER: str(lease.version)}
         if isinstance(result, BaseModel):
-            return JSONResponse({**result.model_dump(), **tag.fields()}, headers=headers)
+            data = result.model_dump()
+            tag.add_spans(data.get("choices") or [])
+            return JSONResponse({**data, **tag.fields()}, headers=headers)
         streaming = True  # from here the stream owns the lease
         return _LeasedStream(tag, result, headers)
     except Exception as e:  # raised inside vLLM's layer: its OpenAI error shape

@@ -118,9 +118,17 @@ class TwoPhaseCommit:
         async with gate.commit_window(push.policy, self.settings.commit_drain_s,
                                       drain=not only) as mode:
             pause = not only or mode == "abort"
-            mode = "wait" if only and mode == "keep" else mode  # no request changes version
+            # `resume` is `keep` by its other name: clearing the cache below makes
+            # the engine re-prefill every running request on the new weights.
+            mode = "keep" if mode == "resume" else mode
+            # An adapter-only commit changes no running request's version.
+            mode = "wait" if only and mode == "keep" else mode
             try:
                 if pause:
+                    # clear_cache: vLLM drops the prefix cache, and with it the KV
+                    # of running requests (preempted, then recomputed on the new
+                    # weights at resume): no token ever attends to a cache that
+                    # other weights built (engine/version_spans.py).
                     await self.llm.pause_generation(mode=mode, clear_cache=True)
                 await self._load(push)
                 # Before the publish: requests already finished keep the old tag.

@@ -82,7 +82,10 @@ def test_two_turn_chat_matches_generate_token_for_token(srv):
     ids1, p1 = first.choices[0].token_ids, first.prompt_token_ids
     lps1 = [t.logprob for t in first.choices[0].logprobs.content]
     assert first.weight_version == header == v and first.weight_versions == [v]
-    assert first.weight_suspect is False
+    assert first.versions_used == [v] and first.weight_suspect is False
+    # The choice's per-token spans, in vLLM's and SGLang's shape: every token from v.
+    assert first.choices[0].weight_versions == [{"version": v, "start": 0, "end": len(ids1),
+                                                 "resumed": False}]
     assert mean_delta(srv, p1, ids1, lps1) < LOGPROB_TOL
 
     answer = first.choices[0].message.content
@@ -110,7 +113,17 @@ def test_completion_matches_generate(srv):
     assert r.weight_version == int(raw.headers["x-weight-version"])
     with srv.client() as c:  # the same seed through /generate samples the same tokens
         g = c.generate(prompt_token_ids=[[97, 98, 99]], sampling=dict(max_tokens=8, seed=5))
-    assert g.results[0].samples[0].token_ids == choice.token_ids
+    sample = g.results[0].samples[0]
+    assert sample.token_ids == choice.token_ids
+    # Both routes give the same spans; return_weight_versions=false leaves them out.
+    spans = [{"version": r.weight_version, "start": 0, "end": len(choice.token_ids),
+              "resumed": False}]
+    assert choice.weight_versions == spans
+    assert [s.model_dump() for s in sample.weight_versions] == spans
+    assert g.versions_used == [r.weight_version]
+    bare = oai(srv).completions.create(model=model_id(srv), prompt="abc", max_tokens=2,
+                                       extra_body={"return_weight_versions": False})
+    assert not hasattr(bare.choices[0], "weight_versions") and bare.versions_used
 
 
 def test_every_stream_chunk_carries_the_version(srv):
@@ -127,6 +140,12 @@ def test_every_stream_chunk_carries_the_version(srv):
     streamed = [t for c in chunks if c.choices
                 for t in (getattr(c.choices[0], "token_ids", None) or [])]
     assert streamed == whole.choices[0].token_ids
+    # The choice's last chunk (the one with its finish_reason) carries its spans.
+    spanned = [c.choices[0] for c in chunks if c.choices
+               and getattr(c.choices[0], "weight_versions", None) is not None]
+    assert len(spanned) == 1 and spanned[0].finish_reason is not None
+    assert spanned[0].weight_versions == [{"version": versions.pop(), "start": 0,
+                                           "end": len(streamed), "resumed": False}]
 
 
 def test_token_is_required(srv):
@@ -236,7 +255,7 @@ def test_a_push_aborts_a_stream_and_the_version_advances(srv):
     # Long enough to be running when the commit comes (seconds of decoding).
     t, chunks, started = stream_in_background(srv, {
         "model": "", "messages": messages, "n": 32, "max_tokens": 480, "ignore_eos": True,
-        "stream": True})
+        "stream": True, "return_token_ids": True})
     assert started.wait(120) and chunks
     pusher = WeightPusher(srv.url, admin_token=srv.admin_token, transport="http",
                           commit_policy="abort")
@@ -248,6 +267,15 @@ def test_a_push_aborts_a_stream_and_the_version_advances(srv):
     # ... and every chunk names only the version that produced it.
     assert {(ch["weight_version"], tuple(ch["weight_versions"])) for ch in chunks} == {
         (v, (v,))}
+    # Aborted choices carry their spans too: every token they got, from v.
+    streamed: dict[int, int] = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            streamed[c["index"]] = streamed.get(c["index"], 0) + len(c.get("token_ids") or [])
+            if c.get("finish_reason"):
+                assert c["weight_versions"] == ([{"version": v, "start": 0, "resumed": False,
+                                                  "end": streamed[c["index"]]}]
+                                                if streamed[c["index"]] else []), c
 
     after, header = chat(srv, messages, extra_body={"min_weight_version": v + 1})
     assert after.weight_version == header == v + 1 and after.weight_versions == [v + 1]

@@ -57,7 +57,7 @@ async def _client(url: str, token: str, seed: int, vocab: int, stop: threading.E
             for prompt, res in zip(body["prompt_token_ids"], resp["results"], strict=True):
                 for s in res["samples"]:
                     out.samples.append(Sample(prompt, s["token_ids"], s["logprobs"],
-                                              resp["weight_versions"], out.requests))
+                                              resp["versions_used"], out.requests))
 
 
 def run_soak(server, pusher, weights: VersionedWeights, policy: str, first_version: int,
