@@ -47,12 +47,23 @@ def test_fsdp2_cpu_offload_gathers_full_tensors_and_leaves_nothing_on_gpu(block_
     for layer in (m[0], m[2]):
         fully_shard(layer, offload_policy=CPUOffloadPolicy())
     fully_shard(m, offload_policy=CPUOffloadPolicy())
+
+    def gather() -> tuple[dict, dict]:
+        got, kinds = {}, {}
+        for n, t in iter_full_tensors(m, torch.device("cuda"), (), block_bytes):
+            kinds[n] = type(t).__name__
+            got[n] = (t.materialize() if isinstance(t, RowBlocks) else t).cpu()
+        torch.cuda.synchronize()
+        return got, kinds
+
+    # FSDP2's lazy init on the first unshard keeps 512 bytes on the GPU for the
+    # module's life (seen on an H100); what a user pays per push is the growth
+    # after that, which must be none.
+    first = torch.cuda.memory_allocated()
+    gather()
     before = torch.cuda.memory_allocated()
-    got, kinds = {}, {}
-    for n, t in iter_full_tensors(m, torch.device("cuda"), (), block_bytes):
-        kinds[n] = type(t).__name__
-        got[n] = (t.materialize() if isinstance(t, RowBlocks) else t).cpu()
-    torch.cuda.synchronize()
+    assert before - first <= 4096, before - first
+    got, kinds = gather()
     # 0.weight: 16 KiB of fp32 rows, 1 KiB blocks
     assert kinds["0.weight"] == ("RowBlocks" if block_bytes else "Tensor")
     assert torch.cuda.memory_allocated() <= before  # nothing new stays on the GPU

@@ -10,10 +10,10 @@ The oracle is torch's own full state dict, written out by transformers'
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
+
+from tests.gpu.capturing_server import CapturingServer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -31,67 +31,6 @@ def _group() -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("nccl", rank=0, world_size=1)
         torch.cuda.set_device(0)
-
-
-class CapturingServer:
-    """Fake admin client: answers the control plane, keeps the bucket bytes."""
-
-    def __init__(self, checkpoint: dict[str, torch.Tensor], vocab: int) -> None:
-        from rollout_sidecar.client.protocol import TensorInfo, WeightIndex, WeightStatus
-
-        self.status_ = WeightStatus(weight_version=0, dtype="bfloat16", vocab_size=vocab,
-                                    max_model_len=512, boot_id="gpu-test", push_state="idle",
-                                    push_in_progress=False, connected=None, data_plane_port=0,
-                                    transports=["http"], push_timeout_s=60, commit_drain_s=1)
-        self.index_ = WeightIndex(tensors={n: TensorInfo(shape=list(t.shape), dtype="bfloat16")
-                                           for n, t in checkpoint.items()},
-                                  ignored=[], tie_word_embeddings=False)
-        self.base_url = "http://capturing"
-        self.buckets: dict[int, bytes] = {}
-        self.manifest: list[dict] = []
-        self.aborted: str | None = None
-
-    def status(self):  # noqa: ANN201
-        return self.status_
-
-    def index(self):  # noqa: ANN201
-        return self.index_
-
-    def begin(self, version, transport, buckets, connection_id, commit_policy,  # noqa: ANN001, ANN201
-              budget_s=300.0):
-        from rollout_sidecar.client.protocol import BeginResponse
-
-        self.manifest = buckets
-        return BeginResponse(push_id="p", deadline_s=60, commit_policy="wait")
-
-    def put_bucket(self, push_id, index, data, checksum, budget_s=300.0) -> None:  # noqa: ANN001
-        assert zlib.crc32(data) == checksum
-        self.buckets[index] = data
-
-    def prepare(self, push_id, checksums, timeout_s):  # noqa: ANN001, ANN201
-        from rollout_sidecar.client.protocol import PrepareResponse
-
-        assert [zlib.crc32(self.buckets[i]) for i in range(len(checksums))] == checksums
-        return PrepareResponse(push_id=push_id, deadline_s=60, timings={})
-
-    def commit(self, push_id, checksums, timeout_s):  # noqa: ANN001, ANN201
-        from rollout_sidecar.client.protocol import CommitResponse
-
-        return CommitResponse(weight_version=1, push_id=push_id, commit_policy="wait",
-                              timings={})
-
-    def abort(self, push_id, reason) -> None:  # noqa: ANN001
-        self.aborted = reason
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for b in self.manifest:
-            raw = torch.frombuffer(bytearray(self.buckets[b["index"]]), dtype=torch.uint8)
-            for p in b["params"]:
-                dt = getattr(torch, p["dtype"])
-                n = torch.Size(p["shape"]).numel() * dt.itemsize
-                out[p["name"]] = raw[p["offset"]: p["offset"] + n].view(dt).view(p["shape"])
-        return out
 
 
 def _model(family: str, tmp_path):  # noqa: ANN202
