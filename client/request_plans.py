@@ -47,6 +47,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
 
+from rollout_sidecar.client.protocol.generate_api import GenerateResponse
 from rollout_sidecar.client.replica_pool import ReplicaPool
 from rollout_sidecar.client.stall_watch import Silent
 
@@ -231,6 +232,7 @@ class Call(Generic[T]):
         refused: set[str] = set()  # answered 409: min_weight_version is not there
         frozen: set[str] = set()
         seen: dict[str, str] = {}  # url -> what happened to it, for the final error
+        retried: list[str] = []  # every try that did not answer, for the answer
         refusal: SidecarError | None = None
         last: tuple[httpx.TransportError | None, httpx.Response | None] = (None, None)
         while True:
@@ -261,11 +263,12 @@ class Call(Generic[T]):
                 pool.done(url)
             if response is not None and response.status_code not in RETRY_STATUS:
                 if not response.is_error:
-                    return self._parsed(response, url, pool)
+                    return self._parsed(response, url, pool, retried)
                 refusal = SidecarError.from_response(response)
                 if not self._version_refused(refusal):
                     raise refusal
                 seen[url] = f"refused: {refusal}"
+                retried.append(f"{url}: {seen[url]}")
                 refused.add(url)
                 pool.saw_version(url, None)  # e.g. restarted on its checkpoint
                 continue
@@ -280,18 +283,22 @@ class Call(Generic[T]):
                 what = f"connection reset mid-request ({what})"
             seen[url] = what if error is None or not isinstance(error, NEVER_SENT) else (
                 f"unreachable ({what})")
+            retried.append(f"{url}: {seen[url]}")
             pool.mark_down(url, down_s, what)
             failures += 1
             last = (error, response)
             if failures >= policy.attempts or pool.clock() > deadline:
                 raise _exhausted(error, response, seen, None)
 
-    def _parsed(self, response: httpx.Response, url: str, pool: ReplicaPool) -> T:
+    def _parsed(self, response: httpx.Response, url: str, pool: ReplicaPool,
+                retried: list[str]) -> T:
         result = self.parse(response)
         # GenerateResponse and InfoResponse both say which version answered.
         version = getattr(result, "weight_version", None)
         if isinstance(version, int):
             pool.saw_version(url, version)
+        if isinstance(result, GenerateResponse):  # says where it came from
+            result.replica, result.retried = url, retried
         return result
 
     def _version_refused(self, error: SidecarError) -> bool:

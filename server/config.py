@@ -110,7 +110,8 @@ class ServerSettings(BaseSettings):
         "an older version finish on its adapter while newer ones serve the newest.")
 
     api_token: SecretStr | None = Field(
-        None, description="Bearer token for /generate and /info. Unset: open."
+        None, description="Bearer token for /generate, /info and the OpenAI routes (/v1/*); "
+        "/health, /ready and /metrics stay open. Unset: open."
     )
     admin_token: SecretStr | None = Field(
         None,
@@ -158,7 +159,8 @@ class ServerSettings(BaseSettings):
         "socket instead of binding `data_plane_port` (as `http_fd`).")
     push_timeout_s: float = Field(
         300.0, gt=0, description="The one deadline of a push, begin to commit; trainers "
-        "read it from /weights/status and use it for their data-plane timeouts too."
+        "read it from /weights/status to bound their begin, prepare, commit and probe calls "
+        "(plus commit_drain_s); their data plane times out on their own stall_timeout_s."
     )
     commit_drain_s: float = Field(
         30.0, ge=0, description="Policy wait: how long a commit waits for in-flight requests "

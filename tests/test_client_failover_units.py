@@ -78,9 +78,13 @@ def test_a_frozen_replica_loses_its_request_and_is_skipped_while_the_other_serve
         fake_time, frozen_fleet):
     fleet = frozen_fleet({"a"}, a=1, b=1)
     with fleet.client(fake_time, retry=FAST, stall_timeout_s=STALL_S, timeout=300) as c:
-        for _ in range(6):
-            assert c.generate(["x"]).weight_version == 1
+        answers = [c.generate(["x"]) for _ in range(6)]
         a = c.replicas()[0]
+    assert [r.weight_version for r in answers] == [1] * 6
+    # The retried request says so: b answered it, after a try on a that froze.
+    assert {r.replica for r in answers} == {url("b")}
+    [retried] = [r.retried for r in answers if r.retried]
+    assert len(retried) == 1 and retried[0].startswith(f"{url('a')}: frozen")
     # One try on a, one liveness probe that went unanswered, then skipped.
     assert fleet.hosts() == {"a": 1, "b": 6} and fleet.hosts("/health") == {"a": 1}
     assert a.down_for_s == FAST.stall_down_s and a.last_error.startswith("frozen")

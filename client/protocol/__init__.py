@@ -5,8 +5,10 @@ server and the client import, and that imports none of them.
   here): every JSON type of the generation API and of the push control plane.
 - `wire_format` (torch): dtype names, CRC-32 and slot views of the bucket
   bytes. `bucket_group` (torch.distributed): the data plane's process group,
-  and how one bucket is sent and received. Import those two by name; this
-  package and the client never import torch.
+  and how one bucket is sent and received; `signed_store` (torch.distributed):
+  its signed rendezvous. `bucket_mac` (torch): each bucket's keyed tag.
+  `delta_codec` (torch): a tensor's sparse patches. Import those five by name;
+  this package and the client never import torch.
 """
 
 from rollout_sidecar.client.protocol.adapter_api import AdapterSpec, LoraStatus

@@ -190,6 +190,18 @@ class GenerateResponse(ReplyModel):
     )
     boot_id: str = Field("", description="The server process's boot id (see /weights/status).")
     usage: Usage
+    # Filled by rollout_sidecar's client after the answer arrives; the server
+    # never sends them. A try that did not answer is given up whole (nothing it
+    # generated reaches the caller), so every span of every sample comes from
+    # `replica`, and a version number means the same weights on every replica
+    # (the all-or-nothing commit): a loop needs no other bookkeeping.
+    replica: str | None = Field(
+        None, description="Set by the client, never by the server: the replica URL that "
+        "answered. Every sample and span of this response comes from it.")
+    retried: list[str] = Field(
+        default_factory=list, description="Set by the client: each earlier try that did not "
+        "answer, in order, as 'url: what happened'. Empty when the first try answered; "
+        "nothing a retried try generated is in this response.")
 
     @model_validator(mode="before")
     @classmethod

@@ -12,8 +12,12 @@ from rollout_sidecar.server.weights.service import transports
 
 router = APIRouter()
 
-# /health must answer fast enough for a liveness probe, but only if the engine
-# core really answers: a wedged engine process is not "live".
+# /health: 503 until the engine started, or once vLLM's `check_health` says its
+# engine core died (exited, a fatal error, or its output handler ended). That
+# is a flag read in this process, no call to the engine core, so a wedged
+# engine core that still runs passes; bounded anyway, so a liveness probe never
+# hangs on it. /ready checks other things: loaded, not draining, not suspect,
+# not broken.
 HEALTH_TIMEOUT_S = 10.0
 
 

@@ -2,8 +2,12 @@ r"""The push state machine: one push at a time, every transition under one lock.
 
     IDLE --begin--> RECEIVING --commit--> COMMITTING --> IDLE (committed | failed)
                       |   \--prepare--> CHECKING --> PREPARED --commit--/
-                      |                     (fails)     \--abort / deadline--> IDLE (failed)
-                      \--abort / deadline / dead trainer / bad bucket--> IDLE (failed)
+                      |                     (fails)     \--abort / deadline--> IDLE
+                      \--abort / deadline / dead trainer / bad bucket--> IDLE
+
+A push ended by an abort (POST /weights/abort, its trainer's reconnect, server
+shutdown) is recorded as `aborted`; one ended any other way without a commit, as
+`failed`.
 
 `prepare` is phase 1 of a commit across replicas: the buckets arrived and
 passed their CRCs, nothing is loaded; the trainer commits (phase 2) only once

@@ -183,8 +183,8 @@ def test_replica_killed_mid_push_publishes_nowhere_then_rejoins(pair, tmp_path):
     assert int(r.headers["retry-after"]) >= 1
     before = generated_tokens(pair.b)
     with GenerationClient([pair.b.url, pair.a.url], token=pair.a.api_token) as fresh:
-        assert fresh.generate(["x"], min_weight_version=v,
-                              sampling=dict(max_tokens=4)).weight_version == v
+        r = fresh.generate(["x"], min_weight_version=v, sampling=dict(max_tokens=4))
+    assert r.weight_version == v and r.replica == pair.a.url and r.retried == []
     assert generated_tokens(pair.b) == before
     _, _, report = push(pair, tmp_path)
     assert_pushed(report, v)

@@ -6,8 +6,8 @@ answers every call with a value (worker_calls.py, ops.py); `WorkerOp`s reach
 `receive_weights` through vLLM's `update_weights`, inside its update session.
 The model changes only in `WorkerOp.LOAD`, and only with a complete,
 CRC-checked set of buckets; the load itself is all-or-nothing (reload.py).
-`finish_weight_update` only releases the patches: the staged copy stays, the
-base of the next delta.
+`finish_weight_update` releases the patches and forgets the push, so a later
+`discard` leaves the staged copy alone: it stays, the base of the next delta.
 
 Blocking work (joining the trainer's group, receiving buckets) runs in
 background threads (bucket_receive.py), so the engine core keeps scheduling
