@@ -29,9 +29,10 @@ ELSEWHERE = {
     "meta_info": "SGLang", "vllm_server_url": "TRL's AsyncGRPO (trl.experimental)",
     "handleException": "torch's C++ ProcessGroupNCCL",
     "NCCL_ASYNC_ERROR_HANDLING": "NCCL (the variable Ray sets)",
-    "lag_j": "a symbol of async-rl.md's formula", "stale_j": "a symbol of async-rl.md's formula",
+    "stale_j": "a symbol of async-rl.md's formula",
     "max_version_lag": "async-rl.md: named as not built",
     "my-values.yaml": "deploy.md: the user's own values file",
+    "report.json": "the demo's output (demo --out-dir)",
     "/openapi.json": "a route (FastAPI's)",
 }
 IDENT = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\.?(\(\))?")

@@ -60,9 +60,12 @@ def group_advantages(rewards: list[list[float]]) -> list[list[float]]:
 def policy_loss(model: torch.nn.Module, rows: list[dict], clip: float = 0.2
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO-clip loss over (prompt, tokens, server logprobs, advantage, token
-    mask) rows, in one right-padded batch; each sample's tokens are averaged,
-    then samples. Also returns [sum |logp - rollout logp|, token count, stale
-    token count] for the drift metric."""
+    mask, token lag) rows, in one right-padded batch; each sample's tokens are
+    averaged, then samples. Also returns the drift metric's sums: |logp -
+    rollout logp| and token count over the tokens trained on, the same for
+    those of lag 0 (sampled from the weights the trainer holds: the gap is the
+    engines' numerics alone) and of lag 1 or more (the policy moved since),
+    and the stale token count."""
     assert rows, "every rank needs rows: its forward is a collective under FSDP"
     seqs = [r["prompt"] + r["tokens"] for r in rows]
     width = max(map(len, seqs))
@@ -70,12 +73,14 @@ def policy_loss(model: torch.nn.Module, rows: list[dict], clip: float = 0.2
     mask = torch.zeros(len(rows), width - 1)
     old = torch.zeros(len(rows), width - 1)
     targets = torch.zeros(len(rows), width - 1, dtype=torch.long)
+    lag = torch.zeros(len(rows), width - 1)
     for i, (r, seq) in enumerate(zip(rows, seqs, strict=True)):
         ids[i, : len(seq)] = torch.tensor(seq)
         start, end = len(r["prompt"]) - 1, len(seq) - 1  # positions predicting the tokens
         mask[i, start:end] = torch.tensor(r["token_mask"], dtype=torch.float32)
         old[i, start:end] = torch.tensor(r["old_logprobs"])
         targets[i, start:end] = torch.tensor(r["tokens"])
+        lag[i, start:end] = torch.tensor(r["token_lags"], dtype=torch.float32)
     # Right padding needs no mask: causal attention never looks at later positions.
     logits = model(input_ids=ids).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
@@ -83,7 +88,10 @@ def policy_loss(model: torch.nn.Module, rows: list[dict], clip: float = 0.2
     adv = torch.tensor([r["advantage"] for r in rows])[:, None]
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv) * mask
     stale = sum(len(r["token_mask"]) - sum(r["token_mask"]) for r in rows)
-    drift = torch.stack([((logp.detach() - old).abs() * mask).sum(), mask.sum(),
+    gap = (logp.detach() - old).abs() * mask
+    fresh = (lag == 0).float() * mask
+    drift = torch.stack([gap.sum(), mask.sum(), (gap * fresh).sum(), fresh.sum(),
+                         (gap * (1 - fresh)).sum(), (mask * (1 - fresh)).sum(),
                          torch.tensor(float(stale))])
     return (per_token.sum(1) / mask.sum(1).clamp(min=1)).mean(), drift
 
@@ -154,9 +162,12 @@ def main() -> None:
 
     def rollouts(step: int, min_version: int | None) -> dict:
         assert client is not None
-        return client.generate(PROMPTS, sampling=dict(
+        t = time.perf_counter()
+        out = client.generate(PROMPTS, sampling=dict(
             n=args.samples, max_tokens=args.max_tokens, temperature=1.0,
             seed=args.seed * 100_003 + step), min_weight_version=min_version).model_dump()
+        # Its own duration: in the async loop the step waits for little of it.
+        return {**out, "generate_s": time.perf_counter() - t}
 
     pending = pool.submit(rollouts, 1, version) if pool else None
     records: list[dict] = []
@@ -177,12 +188,12 @@ def main() -> None:
         advs = group_advantages(rewards)
         rows = [dict(prompt=p["prompt_token_ids"], tokens=s["token_ids"],
                      old_logprobs=s["logprobs"], advantage=a,
-                     token_mask=[float(version - v <= args.max_lag)
-                                 for v in token_versions(s, resp_d["weight_version"])])
+                     token_lags=(lags := [version - v for v in
+                                          token_versions(s, resp_d["weight_version"])]),
+                     token_mask=[float(lag <= args.max_lag) for lag in lags])
                 for p, ga in zip(resp_d["results"], advs, strict=True)
                 for s, a in zip(p["samples"], ga, strict=True)]
-        lags = [version - v for p in resp_d["results"] for s in p["samples"]
-                for v in token_versions(s, resp_d["weight_version"])]
+        lags = [lag for r in rows for lag in r["token_lags"]]
         loss, drift = policy_loss(model, rows[rank::world])  # every rank: same forwards
         dist.all_reduce(drift)
         loss.backward()
@@ -201,11 +212,14 @@ def main() -> None:
         rec = dict(step=step, reward=mean_r, push_s=push_s, weight_version=version,
                    served_version=resp_d["weight_version"], loss=float(loss.detach()),
                    train_rollout_logprob_abs_diff=float(drift[0] / drift[1]),
-                   masked_stale_tokens=int(drift[2]),
+                   # Per lag: [sum |dlogp|, tokens], lag 0 and lag >= 1.
+                   drift_by_lag={"0": [float(drift[2]), int(drift[3])],
+                                 "1+": [float(drift[4]), int(drift[5])]},
+                   masked_stale_tokens=int(drift[6]),
                    mean_token_lag=sum(lags) / max(1, len(lags)),
                    probe_abs_dlogp=probe, probe_drifted=drifted, push_timings=timings,
                    lm_head_dtype=info["lm_head_dtype"],
-                   gen_tokens_per_s=resp_d["usage"]["completion_tokens"] / (t1 - t0),
+                   gen_tokens_per_s=resp_d["usage"]["completion_tokens"] / resp_d["generate_s"],
                    phase_s=dict(generate=t1 - t0, train=t2 - t1, push=t3 - t2, step=t3 - t0))
         records.append(rec)
         if bar:
@@ -253,12 +267,21 @@ def _write_report(out: Path, records: list[dict], config: dict, setup_s: dict) -
     out.mkdir(parents=True, exist_ok=True)
     pushes = sorted(r["push_s"] for r in records if r["push_s"] > 0)
     drift = [r["train_rollout_logprob_abs_diff"] for r in records]
+
+    def by_lag(key: str) -> float | None:  # mean |dlogp| over every token of that lag
+        n = sum(r["drift_by_lag"][key][1] for r in records)
+        return sum(r["drift_by_lag"][key][0] for r in records) / n if n else None
+
     summary = dict(
         first_reward=records[0]["reward"], last_reward=records[-1]["reward"],
         median_push_s=pushes[len(pushes) // 2] if pushes else None,
         final_weight_version=records[-1]["weight_version"],
         lm_head_dtype=records[0]["lm_head_dtype"],
         mean_train_rollout_logprob_abs_diff=sum(drift) / len(drift),
+        # Lag 0: the engines' numerics alone (the sync loop's only kind); lag 1+:
+        # the policy moved since the token was sampled, which the async loss
+        # corrects for (docs/async-rl.md).
+        train_rollout_logprob_abs_diff_by_lag={k: by_lag(k) for k in ("0", "1+")},
         timing=_timing(records, setup_s))
     (out / "report.json").write_text(json.dumps(
         dict(summary=summary, steps=records, config={k: str(v) for k, v in config.items()}),
@@ -273,7 +296,14 @@ def _write_report(out: Path, records: list[dict], config: dict, setup_s: dict) -
     a.plot(steps, [r["reward"] for r in records], marker="o")
     a.set_ylabel("mean reward")
     a.set_title("rollout-sidecar demo: GRPO on the served weights")
-    c.plot(steps, drift, marker="o", color="tab:green")
+    c.plot(steps, drift, marker="o", color="tab:green", label="all tokens")
+    for key, color in (("0", "tab:blue"), ("1+", "tab:red")):
+        points = [(r["step"], r["drift_by_lag"][key][0] / r["drift_by_lag"][key][1])
+                  for r in records if r["drift_by_lag"][key][1]]
+        if points and any(r["drift_by_lag"]["1+"][1] for r in records):
+            xs, ys = [x for x, _ in points], [y for _, y in points]
+            c.plot(xs, ys, marker=".", color=color, label=f"tokens of lag {key}")
+    c.legend(fontsize=7)
     c.set_ylabel("|trainer - rollout| logp")
     c.set_ylim(bottom=0)
     c.set_title(f"train_rollout_logprob_abs_diff (lm_head {records[0]['lm_head_dtype']})",

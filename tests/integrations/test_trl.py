@@ -8,7 +8,9 @@ state) trains 3 steps of 4 completions (of 8 tokens) per step on the default mod
 served in float32. Every run must show: every completion's weight_version is
 the version pushed before it (and reached the reward function), the versions
 count up one per push, every push's probe passed, no push went unread, and
-TRL's log history holds the rewards and the versions.
+TRL's log history holds the rewards and the versions. TRL's asynchronous
+AsyncGRPOTrainer (trainer/integrations/trl_async.py) runs last, on the same
+server (trl_async_worker.py).
 """
 
 from __future__ import annotations
@@ -58,14 +60,19 @@ def launch(mode: str, tmp: Path) -> list[str]:
     raise ValueError(mode)
 
 
+def worker_env(srv) -> dict[str, str]:
+    """A worker's environment: the server and its tokens, one thread each."""
+    return dict(os.environ, ROLLOUT_SIDECAR_URL=srv.url,
+                ROLLOUT_SIDECAR_API_TOKEN=srv.api_token,
+                ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
+                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get(
+                    "PYTHONPATH")])]))
+
+
 def run(srv, tmp: Path, mode: str, *args: str) -> list[dict]:
     out = tmp / "out"
-    env = dict(os.environ, ROLLOUT_SIDECAR_URL=srv.url,
-               ROLLOUT_SIDECAR_API_TOKEN=srv.api_token,
-               ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get(
-                   "PYTHONPATH")])]))
+    env = worker_env(srv)
     cmd = [*launch(mode, tmp), "--model", str(srv.model_path), "--out", str(out),
            "--steps", str(STEPS), "--temperature", str(TEMPERATURE), *args]
     proc = processes.run(cmd, env=env, timeout_s=600)
@@ -139,3 +146,42 @@ def test_grpo_peft_lora(srv, tmp_path):
     reports = run(srv, tmp_path, "one", "--peft")
     check(reports)
     assert reports[0]["model_type"] == "PeftModelForCausalLM"
+
+
+ASYNC_WORKER = Path(__file__).with_name("trl_async_worker.py")
+
+
+def test_async_grpo_trains_on_pushed_weights_and_filters_by_the_spans(srv, tmp_path):
+    """TRL's AsyncGRPOTrainer (trainer/integrations/trl_async.py): rollouts run
+    in TRL's own spawned process while the trainer steps; every sync is a push
+    through our data plane (commit policy keep) whose probe passes in float32,
+    and every sample carries the oldest version of its spans, by which TRL's
+    own `max_staleness` filter drops what fell too far behind."""
+    out = tmp_path / "out"
+    env = worker_env(srv)
+    proc = processes.run([sys.executable, str(ASYNC_WORKER), "--model", str(srv.model_path),
+                          "--out", str(out), "--steps", str(STEPS), "--max-staleness", "1"],
+                         env=env, timeout_s=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    report = json.loads((out / "report.json").read_text())
+    assert report["global_step"] == STEPS
+    pushes = report["pushes"]
+    versions = [p["version"] for p in pushes]
+    # One push before the first rollout, then one per step; versions go on
+    # from what the server served, one per push.
+    assert [p["step"] for p in pushes] == list(range(STEPS + 1)), pushes
+    assert versions == list(range(versions[0], versions[0] + len(pushes))), pushes
+    assert all(p["probe_passed"] for p in pushes), pushes  # served = trained, each push
+    taken = report["taken"]
+    assert taken and {t["version"] for t in taken} <= set(versions), taken
+    stale = [t for t in taken if t["trainer_version"] - t["version"] > report["max_staleness"]]
+    trained = [t for t in taken if t not in stale]
+    # Rollouts went on while the trainer stepped: samples from pushed weights
+    # after the first were trained on.
+    assert any(t["version"] > versions[0] for t in trained), taken
+    logs = [e for e in report["log_history"] if "loss" in e]
+    assert len(logs) == STEPS and any(e["grad_norm"] > 0 for e in logs), logs
+    # TRL's filter ran on our versions: it dropped exactly the samples whose
+    # spans put them more than max_staleness behind.
+    assert sum(e.get("sample/dropped_stale_total", 0) for e in logs) == len(stale), (logs, taken)
+    assert max(e["sample/staleness_max"] for e in logs) <= report["max_staleness"]
