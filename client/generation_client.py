@@ -58,15 +58,18 @@ class _api:  # noqa: N801 - a namespace of job descriptions
                  prompt_token_ids: list[list[int]] | None = None,
                  sampling: SamplingConfig | dict | None = None,
                  min_weight_version: int | None = None,
-                 session_key: str | None = None) -> Call[GenerateResponse]:
+                 session_key: str | None = None,
+                 max_version_lag: int | None = None) -> Call[GenerateResponse]:
         """Sample completions of `prompts` (strings) or `prompt_token_ids`.
         `min_weight_version`: wait (bounded by the server) until it is served;
         only replicas known to hold it are asked when some are.
         `session_key`: requests with the same key go to the same replica while
-        it is up (the turns of one episode reuse its prefix cache)."""
+        it is up (the turns of one episode reuse its prefix cache).
+        `max_version_lag`: no token more than this many versions behind the
+        newest committed one while the request runs (docs/async-rl.md)."""
         fields = dict(prompts=prompts, prompt_token_ids=prompt_token_ids,
                       sampling=SamplingConfig.model_validate(sampling or {}),
-                      min_weight_version=min_weight_version)
+                      min_weight_version=min_weight_version, max_version_lag=max_version_lag)
         # Absent, not null: the server refuses an explicit null prompt field.
         req = GenerateRequest(**{k: v for k, v in fields.items() if v is not None})
         return Call("POST", "/generate", lambda r: GenerateResponse.model_validate(r.json()),

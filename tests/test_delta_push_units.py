@@ -30,6 +30,7 @@ def run(tmp_path: Path, wrap: str, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.e2e  # torchrun ranks: not in --fast
 @pytest.mark.parametrize("wrap", ["plain", "fsdp2", "fsdp1"])
 def test_a_delta_restores_torchs_full_state_dict_bit_for_bit(tmp_path, wrap):
     r = run(tmp_path, wrap)
@@ -49,6 +50,7 @@ def test_a_delta_restores_torchs_full_state_dict_bit_for_bit(tmp_path, wrap):
         assert p["delta_bytes"] < 0.2 * p["dense_bytes"], p
 
 
+@pytest.mark.e2e  # torchrun ranks: not in --fast
 def test_a_nan_in_another_ranks_shard_is_refused(tmp_path):
     r = run(tmp_path, "fsdp2", "--nan")
     first, second = r["pushes"]

@@ -30,7 +30,6 @@ ELSEWHERE = {
     "handleException": "torch's C++ ProcessGroupNCCL",
     "NCCL_ASYNC_ERROR_HANDLING": "NCCL (the variable Ray sets)",
     "stale_j": "a symbol of async-rl.md's formula",
-    "max_version_lag": "async-rl.md: named as not built",
     "my-values.yaml": "deploy.md: the user's own values file",
     "report.json": "the demo's output (demo --out-dir)",
     "/openapi.json": "a route (FastAPI's)",

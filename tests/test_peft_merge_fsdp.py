@@ -9,12 +9,15 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests import processes
 from tests.conftest import REPO
 
 WORKER = Path(__file__).with_name("peft_merge_worker.py")
 
 
+@pytest.mark.e2e  # torchrun ranks: not in --fast
 def test_fsdp2_and_fsdp1_peft_models_push_peft_merge(tmp_path):
     out = tmp_path / "report.json"
     proc = processes.run(

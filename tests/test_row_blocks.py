@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests import processes
 from tests.conftest import REPO
 
@@ -28,6 +30,7 @@ def run(tmp_path: Path, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.e2e  # torchrun ranks: not in --fast
 def test_row_blocks_equal_torch_full_state_dict(tmp_path):
     r = run(tmp_path)
     assert r["error"] is None
@@ -41,6 +44,7 @@ def test_row_blocks_equal_torch_full_state_dict(tmp_path):
     assert 0 < r["largest_block"] <= BUCKET
 
 
+@pytest.mark.e2e  # torchrun ranks: not in --fast
 def test_a_pack_that_stops_early_leaves_no_rank_behind(tmp_path):
     r = run(tmp_path, "--nan")
     assert r["error"][0] == "nonfinite" and "embed.weight" in r["error"][1]

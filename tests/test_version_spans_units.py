@@ -77,3 +77,33 @@ def test_a_sample_expands_its_spans_per_token_and_old_servers_still_parse():
         "results": [], "weight_version": 4, "weight_versions": [4, 5],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
     assert old.versions_used == [4, 5]
+
+
+def test_a_keep_commit_restarts_only_the_runs_that_would_fall_past_their_bound():
+    from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track
+
+    gate = VersionGate(3)
+    tracker = RequestTracker(gate)
+    free = Track(NS(), since=1)  # no bound
+    strict = Track(NS(), max_lag=0, since=3)
+    loose = Track(NS(), max_lag=1, since=3)
+    older = Track(NS(), max_lag=1, since=2)
+    done = Track(NS(), max_lag=0, since=3, finish_version=3)  # frozen before the publish
+    tracker.watch_all([free, strict, loose, older, done])
+    assert set(tracker.too_far_behind(4)) == {strict, older}
+    assert strict.restart and older.restart and not loose.restart and not done.restart
+    # A run already marked is not counted again by a second commit.
+    assert set(tracker.too_far_behind(5)) == {loose}
+
+
+def test_max_version_lag_is_a_non_negative_integer_and_results_say_their_restarts():
+    import pytest
+    from pydantic import ValidationError
+
+    from rollout_sidecar.client.protocol import GenerateRequest, PromptResult
+
+    assert GenerateRequest(prompts=["x"], max_version_lag=0).max_version_lag == 0
+    for bad in (-1, 1.5, True):  # null is as absent: no bound
+        with pytest.raises(ValidationError, match="max_version_lag"):
+            GenerateRequest.model_validate({"prompts": ["x"], "max_version_lag": bad})
+    assert PromptResult(prompt_token_ids=[1], samples=[]).restarts == 0  # old servers

@@ -88,6 +88,14 @@ class GenerateRequest(StrictModel):
         None,
         description="Wait (bounded) until the server holds at least this weight version.",
     )
+    max_version_lag: Int | None = Field(
+        None, ge=0, json_schema_extra=not_null,
+        description="While the request runs, none of its tokens is more than this many "
+        "versions behind the newest committed one. Only a commit with policy 'keep' lets "
+        "a request run across a commit: one that would leave a prompt's oldest token "
+        "further behind restarts that prompt from scratch on the new weights (its tokens "
+        "so far are dropped; see results[i].restarts). 0: every token of a sample from "
+        "one version.")
 
     @model_validator(mode="before")
     @classmethod
@@ -157,6 +165,8 @@ class Sample(ReplyModel):
 class PromptResult(ReplyModel):
     prompt_token_ids: list[int]
     samples: list[Sample]
+    restarts: int = Field(0, description="How many times a commit restarted this prompt "
+                          "from scratch to keep to max_version_lag (its tokens then dropped).")
     prompt_logprobs: list[float | None] | None = Field(
         None, description="With sampling.prompt_logprobs: the logprob of each prompt token "
         "given the ones before it; the first is null (nothing precedes it)."

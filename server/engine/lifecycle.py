@@ -23,7 +23,7 @@ from rollout_sidecar.server.engine.adapter_table import AdapterTable, lora_engin
 from rollout_sidecar.server.engine.idle_wait import ENGINE_WAIT_ENV
 from rollout_sidecar.server.engine.platform_defaults import resolve as resolve_defaults
 from rollout_sidecar.server.engine.platform_defaults import split_bytes
-from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track
+from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track, abort_quietly
 from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.generate.service import GenerateService
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
@@ -163,3 +163,15 @@ class GenerationEngine:
     def freeze_finished(self) -> None:
         """Called by a commit just before it publishes (request_tracking.py)."""
         self.tracker.freeze_finished()
+
+    async def restart_lagging(self, version: int) -> None:
+        """Called by a `keep` commit once it published `version`, the engine
+        still paused: every run that would leave a token further behind than
+        its request's `max_version_lag` is aborted, and its request submits it
+        again on these weights (generate/service.py)."""
+        behind = self.tracker.too_far_behind(version)
+        if behind:
+            self.metrics.lag_restarts.inc(len(behind))
+            # A run the abort misses ends on its own; its request drops it all the same.
+            await abort_quietly(self.llm.abort([t.collector.request_id for t in behind],
+                                               internal=True))

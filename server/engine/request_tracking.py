@@ -22,10 +22,16 @@ from rollout_sidecar.server.engine.version_gate import VersionGate
 
 @dataclass(eq=False)
 class Track:
-    """One submitted prompt: its output queue, and the version it finished on."""
+    """One submitted prompt: its output queue, and the version it finished on.
+    With a lag bound (`max_lag`): the version its current run started under
+    (`since`), and whether a commit stopped that run to start it again."""
 
     collector: Any
     finish_version: int | None = None
+    max_lag: int | None = None
+    since: int = 0
+    restart: bool = False
+    restarts: int = 0
 
 
 async def abort_quietly(abort: Awaitable[Any]) -> None:
@@ -71,6 +77,17 @@ class RequestTracker:
                 if track.finish_version is None:
                     track.finish_version = self.gate.version
                 return out
+
+    def too_far_behind(self, version: int) -> list[Track]:
+        """Called by a `keep` commit once it published `version`: the running
+        prompts whose oldest token would now be more than their `max_lag`
+        behind, marked to start again. A run's oldest token came at or after
+        `since`; one that finished (frozen before the publish) is left alone."""
+        behind = [t for t in self.tracks if t.max_lag is not None and not t.restart
+                  and t.finish_version is None and version - t.since > t.max_lag]
+        for t in behind:
+            t.restart = True
+        return behind
 
     def freeze_finished(self) -> None:
         """Called by a commit just before it publishes: requests whose final

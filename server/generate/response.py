@@ -31,7 +31,7 @@ def build_response(req: GenerateRequest, start: int, prompt_ids: list[list[int]]
     version each prompt finished on."""
     results, prompt_tokens, completion_tokens = [], 0, 0
     spans = []
-    for ids, out in zip(prompt_ids, outputs, strict=True):
+    for ids, out, track in zip(prompt_ids, outputs, tracks, strict=True):
         samples = [sample(c, req.sampling.logprobs, sample_spans(c, start, gate))
                    for c in out.outputs]
         spans += [s.weight_versions for s in samples]
@@ -41,7 +41,7 @@ def build_response(req: GenerateRequest, start: int, prompt_ids: list[list[int]]
         prompt_tokens += len(ids)
         completion_tokens += sum(len(s.token_ids) for s in samples)
         results.append(PromptResult(
-            prompt_token_ids=list(ids), samples=samples,
+            prompt_token_ids=list(ids), samples=samples, restarts=track.restarts,
             prompt_logprobs=prompt_logprobs(ids, out.prompt_logprobs)
             if req.sampling.prompt_logprobs else None))
     metrics.prompt_tokens.inc(prompt_tokens)

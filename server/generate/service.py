@@ -48,11 +48,14 @@ class GenerateService:
                 request_id = uuid.uuid4().hex
                 for i, ids in enumerate(prompt_ids):
                     tracks.append(Track(await self._submit(ids, params[i], f"{request_id}-{i}",
-                                                           lease.version)))
+                                                           lease.version),
+                                        max_lag=req.max_version_lag, since=lease.version))
             finally:
                 lease.submitted()
             tracker.watch_all(tracks)
-            outputs = await asyncio.gather(*[tracker.final(t) for t in tracks])
+            outputs = await asyncio.gather(*[
+                self._final(t, ids, params[i], f"{request_id}-{i}")
+                for i, (t, ids) in enumerate(zip(tracks, prompt_ids, strict=True))])
         except BaseException:  # cancelled (client gone) or failed: free the engine
             # The collectors hold vLLM's internal ids (it suffixes ours).
             await abort_quietly(e.llm.abort([t.collector.request_id for t in tracks
@@ -63,6 +66,20 @@ class GenerateService:
             lease.finished()
         return build_response(req, lease.version, prompt_ids, outputs, tracks, e.gate,
                               e.metrics, e.boot_id)
+
+    async def _final(self, track: Track, ids: list[int], params: Any, request_id: str) -> Any:
+        """The prompt's last output. A run that a commit stopped for the
+        request's `max_version_lag` is dropped whole and submitted again, on
+        the weights served now (engine/request_tracking.py)."""
+        while True:
+            out = await self.engine.tracker.final(track)
+            if not track.restart:
+                return out
+            track.restarts += 1
+            track.restart, track.finish_version = False, None
+            track.since = self.engine.gate.version
+            track.collector = await self._submit(ids, params, f"{request_id}-r{track.restarts}",
+                                                 track.since)
 
     async def _submit(self, ids: list[int], params: Any, request_id: str, version: int) -> Any:
         from vllm.exceptions import VLLMError

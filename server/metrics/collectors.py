@@ -63,6 +63,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter(
             "rollout_sidecar_prompt_tokens_total", "Prompt tokens processed.", registry=r
         )
+        self.lag_restarts = Counter(
+            "rollout_sidecar_lag_restarts_total", "Prompts a keep commit restarted from "
+            "scratch to keep to their request's max_version_lag.", registry=r
+        )
         self.running = Gauge(
             "rollout_sidecar_requests_running", "Sequences the engine is running.", registry=r
         )

@@ -80,6 +80,11 @@ def _return_spans(body: BaseModel) -> bool:
 
 
 def _check(body: Any, cap: int) -> None:
+    if "max_version_lag" in (body.model_extra or {}):
+        # A restart drops a run's tokens, and a stream has sent them already.
+        raise BadRequest("max_version_lag is served on POST /generate only: a restarted "
+                         "run drops its tokens, which a stream has already sent",
+                         "max_version_lag")
     if getattr(body, "use_beam_search", False):
         # Beam search submits once per step, past the submit hold: untaggable.
         raise BadRequest("use_beam_search is not served here", "use_beam_search")

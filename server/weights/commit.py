@@ -134,6 +134,8 @@ class TwoPhaseCommit:
                 # Before the publish: requests already finished keep the old tag.
                 self.engine.freeze_finished()
                 await gate.publish(push.req.version, mode)
+                if mode == "keep":  # runs that would fall behind their bound start again
+                    await self.engine.restart_lagging(push.req.version)
             finally:
                 if pause:
                     await self.llm.resume_generation()

@@ -161,6 +161,7 @@ def test_token_is_required(srv):
 @pytest.mark.parametrize("body, status, field", [
     ({"prompt": "a", "max_tokens": 1, "min_weight_version": "soon"}, 400, "min_weight_version"),
     ({"prompt": "a", "max_tokens": 1, "use_beam_search": True}, 400, "use_beam_search"),
+    ({"prompt": "a", "max_tokens": 1, "max_version_lag": 0}, 400, "max_version_lag"),
     ({"prompt": "a", "max_tokens": "many"}, 422, "max_tokens"),
 ])
 def test_our_checks_answer_in_our_shape(srv, body, status, field):

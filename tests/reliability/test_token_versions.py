@@ -12,7 +12,9 @@ clean forward of its version over the whole prefix. Every sample must match
 to 1e-5 mean |dlogp| (fp32: ~1e-7 when right); moving any boundary by one
 token either way (nearly always) or replaying with the old cache kept
 (always) must break that match; and no sample is lost to a commit (none
-ends "abort").
+ends "abort"). Two of the clients bound their requests' lag
+(`max_version_lag` 0 and 1): their samples never span more versions than
+that, because a commit restarts a run that would fall further behind.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tests.reliability.token_replay import Span, TokenReplay, shifted, spans_fro
 
 pytestmark = pytest.mark.slow
 PUSHES, CLIENTS = 12, 6
+BOUNDS = {4: 0, 5: 1}  # client -> max_version_lag
 GAP_TOL = 1e-5  # mean |dlogp| per sample, served vs replayed
 TOKEN_TOL = 1e-4  # max |dlogp| of any one token (right: ~1e-6)
 
@@ -45,10 +48,13 @@ class SpannedSample:
     admitted: int  # the response's weight_version
     n: int
     finish_reason: str
+    max_lag: int | None = None  # the request's max_version_lag
+    restarts: int = 0  # how often a commit restarted its prompt for that bound
 
 
 async def _client(url: str, token: str, seed: int, stop: threading.Event,
-                  out: list[SpannedSample], failures: list[str]) -> None:
+                  out: list[SpannedSample], failures: list[str],
+                  max_lag: int | None = None) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=120,
                                  headers={"Authorization": f"Bearer {token}"}) as c:
@@ -56,9 +62,10 @@ async def _client(url: str, token: str, seed: int, stop: threading.Event,
             prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 10))]
                        for _ in range(rng.randint(1, 2))]
             n = rng.choice([1, 2])
+            bound = {} if max_lag is None else {"max_version_lag": max_lag}
             r = await c.post("/generate", json={"prompt_token_ids": prompts, "sampling": {
                 "n": n, "max_tokens": rng.randint(48, 96), "temperature": 1.0,
-                "seed": rng.randrange(1 << 30)}})
+                "seed": rng.randrange(1 << 30)}, **bound})
             if r.status_code != 200:
                 failures.append(f"{r.status_code} {r.text[:200]}")
                 continue
@@ -67,7 +74,8 @@ async def _client(url: str, token: str, seed: int, stop: threading.Event,
                 for s in res["samples"]:
                     out.append(SpannedSample(prompt, s["token_ids"], s["logprobs"],
                                              spans_from_json(s["weight_versions"]),
-                                             body["weight_version"], n, s["finish_reason"]))
+                                             body["weight_version"], n, s["finish_reason"],
+                                             max_lag, res["restarts"]))
 
 
 def test_every_token_names_the_weights_that_sampled_it(reliable, trainer, oracle):
@@ -91,8 +99,10 @@ def test_every_token_names_the_weights_that_sampled_it(reliable, trainer, oracle
             stop.set()
 
     async def load() -> None:
+        # Two clients bound their requests' lag (max_version_lag 0 and 1).
         await asyncio.gather(*[_client(reliable.url, reliable.api_token, 7000 + i, stop,
-                                       samples, failures) for i in range(CLIENTS)])
+                                       samples, failures, BOUNDS.get(i))
+                               for i in range(CLIENTS)])
 
     t = threading.Thread(target=train)
     t.start()
@@ -132,6 +142,9 @@ def test_every_token_names_the_weights_that_sampled_it(reliable, trainer, oracle
                min_shifted_token_gap=min(shifted_gaps, default=float("nan")),
                min_kept_cache_gap=min(kept_gaps, default=float("nan")))
     row["shifted_caught"] = sum(g > TOKEN_TOL for g in shifted_gaps) / max(1, len(shifted_gaps))
+    bounded = [s for s in samples if s.max_lag is not None]
+    row.update(bounded=len(bounded), restarted=sum(s.restarts > 0 for s in bounded),
+               unbounded_restarted=sum(s.restarts > 0 for s in samples if s.max_lag is None))
     print("TOKEN-VERSIONS " + json.dumps(row))
     assert not bad, bad[:3]
     # The load did what the proof needs: samples across 1, 2 and more commits, n = 2.
@@ -148,5 +161,12 @@ def test_every_token_names_the_weights_that_sampled_it(reliable, trainer, oracle
     assert shifted_gaps and row["shifted_caught"] >= 0.95, row
     # No sample is lost to a commit: each ends at a stop or its length.
     assert {s.finish_reason for s in samples} <= {"stop", "length"}, row
+    # max_version_lag: a bounded sample's tokens are never further apart than
+    # its bound (a commit that would have left its oldest token further behind
+    # restarted it on the new weights, and the replay above checked those
+    # tokens too); the bound did restart some, and nothing else.
+    assert all(s.spans[-1].version - s.spans[0].version <= s.max_lag
+               for s in bounded if s.spans), row
+    assert row["restarted"] > 0 and row["unbounded_restarted"] == 0, row
     # Spans name only versions that were committed.
     assert {x.version for s in samples for x in s.spans} <= set(range(start, start + PUSHES + 1))
