@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,15 +96,31 @@ DEFAULT = ServerSpec("server")
 
 def pytest_collection_finish(session):
     PLAN.todo = plan_from(session.items)
+    # The compose test's images build beside the suite (tests/compose/image_build.py).
+    if not session.config.option.collectonly and any(
+            item.name == "test_compose_up_runs_the_demo" for item in session.items):
+        from tests.compose.image_build import BUILD, docker_answers
+
+        if docker_answers():
+            BUILD.start(Path(tempfile.mkdtemp(prefix="rollout-sidecar-images-")) / "build.log")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     PLAN.quiet = item.get_closest_marker("quiet") is not None
     if PLAN.quiet:
+        from tests.compose.image_build import BUILD
+
         PLAN.settle()
+        BUILD.settle()
     else:
         PLAN.prefetch()
+
+
+def pytest_sessionfinish(session):
+    from tests.compose.image_build import BUILD
+
+    BUILD.stop()
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -135,7 +152,11 @@ SERVER_FIXTURES = {"server", "reliable"}
 
 
 def pytest_collection_modifyitems(config, items):
+    def folder(item: pytest.Item) -> str:
+        return Path(str(item.fspath)).resolve().relative_to(REPO / "tests").parts[0]
+
     for item in items:
-        rel = Path(str(item.fspath)).resolve().relative_to(REPO / "tests")
-        if rel.parts[0] in E2E_DIRS or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if folder(item) in E2E_DIRS or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+    # Compose last: its images build in the background meanwhile (pytest_collection_finish).
+    items.sort(key=lambda item: folder(item) == "compose")

@@ -21,10 +21,11 @@ from typing import Any
 
 import pytest
 
+from tests.compose.image_build import BUILD
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
-BUILD_SH = DEPLOY / "docker" / "build.sh"
 DEMO_STEPS = int(os.environ.get("ROLLOUT_SIDECAR_COMPOSE_TEST_STEPS", "6"))
 # The two-replica switch (profile `replicas` + the trainer's URL list).
 REPLICA_URLS = "http://server:8000,http://server-b:8000"
@@ -189,10 +190,15 @@ def test_compose_up_runs_the_demo(compose, tmp_path, request):
                                         timeout=60).returncode != 0:
         _unavailable("no Docker engine answers `docker info`")
 
-    # Images: offline, from the Docker-Hub-free base and the host wheelhouse.
-    build_log = tmp_path / "build.log"
-    p = _run(["bash", str(BUILD_SH)], build_log, timeout=1500)
-    assert p.returncode == 0, f"deploy/docker/build.sh failed:\n{_tail(build_log)}"
+    # Images: offline, from the Docker-Hub-free base and the host wheelhouse,
+    # built since collection (image_build.py), or now if nothing started it.
+    if BUILD.proc is None:
+        BUILD.start(tmp_path / "build.log")
+    try:
+        rc = BUILD.wait()
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"deploy/docker/build.sh timed out:\n{_tail(BUILD.log)}")
+    assert rc == 0, f"deploy/docker/build.sh failed:\n{_tail(BUILD.log)}"
     for image in ("rollout-sidecar/server:dev", "rollout-sidecar/trainer:dev"):
         uid = subprocess.run([docker, "run", "--rm", "--entrypoint", "id", image, "-u"],
                              capture_output=True, text=True, timeout=120)
