@@ -15,10 +15,9 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from rollout_sidecar.client.protocol import CommitPolicy
+from rollout_sidecar.client.protocol import CommitPolicy, Transport
 from rollout_sidecar.trainer.probe import Forward
 
-Transport = Literal["gloo", "nccl", "http"]
 Fanout = Literal["auto", "broadcast", "chain"]
 OnServerRestart = Literal["repush", "raise"]
 DeltaMode = Literal["auto", True, False]

@@ -56,8 +56,7 @@ from rollout_sidecar.trainer.push_result import PushResult
 from rollout_sidecar.trainer.rank_agreement import agree, any_rank, broadcast, rank
 from rollout_sidecar.trainer.release import close_parts, close_when_gone
 from rollout_sidecar.trainer.transport.base import Transport
-from rollout_sidecar.trainer.transport.distributed import DistributedTransport
-from rollout_sidecar.trainer.transport.http_upload import HttpUploadTransport
+from rollout_sidecar.trainer.transport.registry import build_sender
 
 # PushResult and PartialCommitError lived here before the split: still importable.
 __all__ = ["PartialCommitError", "PushResult", "WeightPusher"]
@@ -106,9 +105,7 @@ class WeightPusher:
             c = self.config
             deadlines = Deadlines(c.stall_timeout_s, c.connect_timeout_s)
             self.replicas = ReplicaAdmins(url, admin_token, deadlines)
-            self.transport = HttpUploadTransport(self.replicas) if c.transport == "http" else \
-                DistributedTransport(self.replicas, c.transport, c.data_plane_host, c.takeover,
-                                     c.lease_wait_s, c.fanout, c.authenticate_buckets)
+            self.transport = build_sender(c.transport, self.replicas, c)
         # Closed once collected, or at interpreter exit, if the caller never does.
         close_when_gone(self, self.transport, self.replicas, self._sender)
 
@@ -177,8 +174,7 @@ class WeightPusher:
         self._adapter.committed(opening.adapter, result.version)
         result.adapter_reason = opening.adapter_reason
         if opening.adapter is not None:
-            result.encoding = "adapter" if opening.adapter.base_version is not None \
-                else "adapter+base"
+            result.encoding = "adapter+base" if opening.adapter.with_base else "adapter"
         if delta is not None:
             result.timings["diff_s"] = diff_s
             result.encoding, result.delta_base = "delta", delta.base
@@ -236,7 +232,7 @@ class WeightPusher:
         if delta is not None:
             buckets = delta.buckets
         elif opening.adapter is not None:
-            with_base = opening.adapter.base_version is None
+            with_base = opening.adapter.with_base
             plan = LoraAdapter(model).plan(
                 param_plan(model, opening.buffers if with_base else ()), with_base)
             buckets = plan_buckets(plan, serving.serve_dtype, self.config.bucket_bytes,
@@ -282,7 +278,7 @@ class WeightPusher:
         c = self.config
         block_bytes = broadcast(c.bucket_bytes // 2 if c.row_blocks else None)
         lora = LoraAdapter(model) if spec is not None else None
-        with_base = spec is not None and spec.base_version is None
+        with_base = spec is not None and spec.with_base
         # An adapter alone: only its factors are gathered (the same on every rank).
         only = lora.is_factor if lora is not None and not with_base else None
         if self.rank != 0:

@@ -46,6 +46,11 @@ class AdapterSpec(StrictModel):
         "the one this replica holds (`WeightStatus.lora.base_version`), else 409. Absent: "
         "the push carries those weights too (every checkpoint tensor, loaded first).")
 
+    @property
+    def with_base(self) -> bool:
+        """The push carries the full weights too (it names no `base_version`)."""
+        return self.base_version is None
+
 
 class LoraStatus(BaseModel):
     """A server started with LoRA enabled (`--enable-lora`)."""

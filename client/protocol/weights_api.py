@@ -226,6 +226,12 @@ class BeginRequest(StrictModel):
         "with every checkpoint tensor too when `adapter.base_version` is absent. Needs a "
         "server started with --enable-lora (`WeightStatus.lora`).")
 
+    @property
+    def adapter_only(self) -> bool:
+        """LoRA factors over the full weights this replica holds: no base
+        weight moves, and no running request changes version."""
+        return self.adapter is not None and not self.adapter.with_base
+
 
 class BeginResponse(BaseModel):
     push_id: str

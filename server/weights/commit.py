@@ -114,7 +114,7 @@ class TwoPhaseCommit:
         gate = self.engine.gate
         # An adapter over the loaded weights changes nothing a running request
         # uses (it keeps its own version's adapter): no drain, no pause.
-        only = push.req.adapter is not None and push.req.adapter.base_version is not None
+        only = push.req.adapter_only
         async with gate.commit_window(push.policy, self.settings.commit_drain_s,
                                       drain=not only) as mode:
             pause = not only or mode == "abort"
@@ -157,7 +157,7 @@ class TwoPhaseCommit:
     async def _load(self, push: Push) -> None:
         gate, v, adapter = self.engine.gate, push.req.version, push.req.adapter
         table = self.engine.adapters
-        only = adapter is not None and adapter.base_version is not None
+        only = push.req.adapter_only
         held, self.delta_base = self.delta_base, None  # the staged copies change from here on
         lora: dict = {}
         if adapter is not None:  # a fresh LoRA id; the versions requests hold stay loaded

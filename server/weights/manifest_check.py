@@ -122,7 +122,7 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
     chunks.finish()
     if factors is not None:
         factors.finish()
-        if req.adapter.base_version is not None:  # the factors alone
+        if req.adapter_only:  # the factors alone
             return
     missing = sorted(set(index.tensors) - seen)
     # Every push is complete: vLLM's layerwise reload rebuilds a fused layer

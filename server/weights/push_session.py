@@ -45,6 +45,7 @@ from typing import Any
 
 from rollout_sidecar.client.protocol import BeginRequest, CommitResponse, LastPush
 from rollout_sidecar.server.errors import PushConflict
+from rollout_sidecar.server.weights.receivers import receiver
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ class Push:
 
     @property
     def distributed(self) -> bool:
-        return self.req.transport != "http"
+        """Its bytes come over the trainer's data-plane group (receivers.py)."""
+        return receiver(self.req.transport).joins_group
 
 
 class PushSession:

@@ -46,21 +46,15 @@ from rollout_sidecar.server.weights.manifest_check import check_manifest
 from rollout_sidecar.server.weights.ops import WorkerOp
 from rollout_sidecar.server.weights.probe_scoring import ProbeScorer
 from rollout_sidecar.server.weights.push_session import Push, PushSession, PushState
+from rollout_sidecar.server.weights.receivers import offered, receiver
 from rollout_sidecar.server.weights.watchdog import PushWatchdog
 from rollout_sidecar.server.weights.worker.host_share import StagingRoot
 
 
 @functools.cache
 def transports() -> list[str]:
-    """NCCL needs a GPU on the server; gloo (host memory) and HTTP work
-    everywhere, including one GPU shared by trainer and server. Asked of
-    vLLM's platform (NVML on CUDA), once the engine runs: never of
-    `torch.cuda` at import, which would initialise CUDA in the process vLLM
-    then forks its engine core from."""
-    from vllm.platforms import current_platform
-
-    return ["gloo", "nccl", "http"] if current_platform.is_cuda_alike() else ["gloo", "http"]
-
+    """The transports this server takes (receivers.py), asked of the platform once."""
+    return offered()
 
 
 class WeightService:
@@ -178,7 +172,7 @@ class WeightService:
             if req.version <= self.engine.gate.version:
                 raise PushConflict(f"version {req.version} is not newer than the served "
                                    f"version {self.engine.gate.version}")
-            if req.transport != "http":
+            if receiver(req.transport).joins_group:
                 self.plane.check_owner(req.connection_id)
             self._check_adapter(req)
             check_manifest(req, self.engine.index, self.engine.info.dtype,
@@ -190,11 +184,10 @@ class WeightService:
                                    "; send this push dense (see WeightStatus.delta_base)")
             push = self.session.new_push(req, req.commit_policy or self.settings.commit_policy,
                                          self.settings.push_timeout_s)
-            if req.delta_base is None and (req.adapter is None or req.adapter.base_version is None):
+            if req.delta_base is None and not req.adapter_only:
                 self.commits.delta_base = None  # a dense receive overwrites the staged copy
             try:  # opens vLLM's update session on every worker (worker_calls.py)
-                await ops.send(self.llm,
-                               WorkerOp.ALLOCATE if req.transport == "http" else WorkerOp.RECEIVE,
+                await ops.send(self.llm, receiver(req.transport).opens_with,
                                manifest=[b.model_dump() for b in req.buckets],
                                version=req.version, delta_base=req.delta_base,
                                adapter=req.adapter.model_dump() if req.adapter else None,
@@ -203,7 +196,7 @@ class WeightService:
             except Exception as e:
                 await self.commits.end_session()  # on the ranks where it opened
                 self.commits.delta_base = None  # the workers may disagree: start over dense
-                if req.transport != "http":
+                if receiver(req.transport).joins_group:
                     await self.plane.drop()
                 raise PushConflict(f"could not start the receive: {e}") from e
             self.session.current = push

@@ -75,5 +75,5 @@ class AdapterPush:
         """Every replica committed `version`, pushed with `spec` (None: full)."""
         if spec is None:
             self.base = None  # merged or plain weights: not this model's base
-        elif spec.base_version is None:
+        elif spec.with_base:
             self.base = version

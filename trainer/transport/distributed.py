@@ -25,7 +25,7 @@ import datetime
 import logging
 import threading
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
@@ -39,6 +39,10 @@ from rollout_sidecar.client.protocol.bucket_mac import PushMacs, new_secret
 from rollout_sidecar.client.protocol.signed_store import TAMPERED, delete_connection_keys
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
+from rollout_sidecar.trainer.transport.registry import sender
+
+if TYPE_CHECKING:
+    from rollout_sidecar.trainer.push_config import PushConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ DISCONNECT_TIMEOUT_S = 5.0
 CONNECT_TRIES = 3
 
 
+@sender("gloo", "nccl")
 class DistributedTransport:
     name = "gloo"
     # The CRCs go with the prepare (phase 1), so each is computed while its
@@ -81,6 +86,12 @@ class DistributedTransport:
         self.bucket_macs: PushMacs | None = None  # this push's tags (start_push)
         # Joins given up on (failed connects) and their outcomes: `close` waits for them.
         self._abandoned: list[tuple[threading.Thread, dict[str, Any]]] = []
+
+    @classmethod
+    def from_config(cls, name: str, replicas: ReplicaAdmins, config: PushConfig
+                    ) -> DistributedTransport:
+        return cls(replicas, name, config.data_plane_host, config.takeover,
+                   config.lease_wait_s, config.fanout, config.authenticate_buckets)
 
     @property
     def buffer_device(self) -> torch.device:

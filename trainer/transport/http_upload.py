@@ -5,11 +5,15 @@ control plane."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
+from rollout_sidecar.trainer.transport.registry import sender
+
+if TYPE_CHECKING:
+    from rollout_sidecar.trainer.push_config import PushConfig
 
 
 class _Done:
@@ -17,6 +21,7 @@ class _Done:
         pass
 
 
+@sender("http")
 class HttpUploadTransport:
     name = "http"
     buffer_device = torch.device("cpu")
@@ -26,6 +31,11 @@ class HttpUploadTransport:
 
     def __init__(self, replicas: ReplicaAdmins) -> None:
         self.replicas = replicas
+
+    @classmethod
+    def from_config(cls, name: str, replicas: ReplicaAdmins, config: PushConfig
+                    ) -> HttpUploadTransport:
+        return cls(replicas)
 
     def ensure_connected(self, statuses: list[Any]) -> None:
         pass  # every bucket is a request of its own: nothing to hold open
