@@ -3,7 +3,6 @@ rollout_sidecar.server.launcher, the one launcher the demo and benches use too).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -76,10 +75,8 @@ def run_torchrun(worker: Path, args: list[str], srv: Server, nproc: int = 2) -> 
     the ranks' output if any rank fails."""
     proc = processes.run(
         processes.torchrun(worker, args, nproc),
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                     [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                 ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
-                 ROLLOUT_SIDECAR_API_TOKEN=srv.api_token),
+        env=processes.repo_env(ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
+                               ROLLOUT_SIDECAR_API_TOKEN=srv.api_token),
         timeout_s=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 

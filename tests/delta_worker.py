@@ -22,46 +22,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.fsdp_wrap import full_state_dict, wrap
+
 BUCKET = 4096  # bytes: the embedding and the head are split in the resident copy
 WIRE = torch.bfloat16
 
 
-def build(wrap: str) -> nn.Module:
+def build(wrapper: str) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=301, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    m = LlamaForCausalLM(cfg)
-    if wrap == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in m.model.layers:
-            fully_shard(layer)
-        fully_shard(m)
-    elif wrap == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        m = FSDP(m, device_id=torch.device("cpu"), use_orig_params=True)
-    return m
+    return wrap(LlamaForCausalLM(cfg), wrapper)
 
 
-def full_state(m: nn.Module, wrap: str) -> dict[str, torch.Tensor]:
+def full_state(m: nn.Module, wrapper: str) -> dict[str, torch.Tensor]:
     """torch's own full state dict, names as the pusher's, in the wire dtype."""
     from rollout_sidecar.trainer.gather.names import normalize_name
 
-    if wrap == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
-    elif wrap == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.summon_full_params(m, writeback=False):
-            sd = {n: p.detach().clone() for n, p in m.named_parameters()}
-    else:
-        sd = dict(m.named_parameters())
-    return {normalize_name(n): t.detach().to(WIRE) for n, t in sd.items()}
+    return {normalize_name(n): t.to(WIRE) for n, t in full_state_dict(m, wrapper).items()}
 
 
 def stage(buckets: list, sent: dict[int, bytes]):

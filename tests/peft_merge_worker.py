@@ -21,24 +21,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from tests.fsdp_wrap import wrap
+
 
 def shard(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
     layers = model.get_base_model().model.layers
-    if wrapper == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)
-        return model
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    if wrapper == "fsdp1":
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(layers[0])}),
-                    device_id=torch.device("cpu"), use_orig_params=True)
+    if wrapper != "fsdp1_peft_policy":
+        return wrap(model, wrapper, layers)
+    # PEFT's own FSDP1 policy: the LoRA modules wrapped apart, original params off.
     from peft.utils.other import fsdp_auto_wrap_policy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return FSDP(model, auto_wrap_policy=fsdp_auto_wrap_policy(model),
                 device_id=torch.device("cpu"), use_orig_params=False)

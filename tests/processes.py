@@ -44,6 +44,17 @@ class DeadlineExceeded(subprocess.TimeoutExpired):
                 f"{(self.output or '')[-3000:]}")
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def repo_env(**extra: str) -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH (workers
+    import `tests.*`, and this checkout's package ahead of the caller's), plus
+    `extra`."""
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def torchrun(worker: Path | str, args: Sequence[str] = (), nproc: int = 2) -> list[str]:
     """`python -m torch.distributed.run` on this machine, the agent picking its port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

@@ -8,13 +8,11 @@ small buckets, so patches also land in chunks of split tensors."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from tests import processes
-from tests.conftest import REPO
 
 WORKER = Path(__file__).with_name("delta_worker.py")
 
@@ -23,8 +21,7 @@ def run(tmp_path: Path, wrap: str, *flags: str) -> dict:
     out = tmp_path / "report.json"
     proc = processes.run(
         processes.torchrun(WORKER, ["--out", str(out), "--wrap", wrap, *flags]),
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])),
+        env=processes.repo_env(),
         timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

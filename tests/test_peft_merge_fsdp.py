@@ -6,13 +6,11 @@ torchrun, 2 ranks, gloo; no server (tests/peft_merge_worker.py)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from tests import processes
-from tests.conftest import REPO
 
 WORKER = Path(__file__).with_name("peft_merge_worker.py")
 
@@ -22,8 +20,7 @@ def test_fsdp2_and_fsdp1_peft_models_push_peft_merge(tmp_path):
     out = tmp_path / "report.json"
     proc = processes.run(
         processes.torchrun(WORKER, ["--out", str(out)]),
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])),
+        env=processes.repo_env(),
         timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())

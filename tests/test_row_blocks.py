@@ -6,13 +6,11 @@ torchrun, 3 ranks, gloo; no server."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from tests import processes
-from tests.conftest import REPO
 
 WORKER = Path(__file__).with_name("row_blocks_worker.py")
 BUCKET = 1024
@@ -23,8 +21,7 @@ def run(tmp_path: Path, *flags: str) -> dict:
     # The agent binds its own rendezvous port; a deadline that dumps stacks.
     proc = processes.run(
         processes.torchrun(WORKER, ["--out", out, *flags], nproc=3),
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])),
+        env=processes.repo_env(),
         timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

@@ -61,9 +61,8 @@ def oracle_copy(model: torch.nn.Module, like: torch.nn.Module) -> torch.nn.Modul
 
 
 def main() -> None:
-    from torch.distributed.fsdp import fully_shard
-
     from rollout_sidecar.trainer import WeightPusher, WeightPushError
+    from tests.fsdp_wrap import wrap
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
@@ -74,9 +73,7 @@ def main() -> None:
     seqs = scored_sequences(info["vocab_size"])
     model = build_lora(args.model, seed=21)
     like = copy.deepcopy(model)
-    for layer in model.get_base_model().model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = wrap(model, "fsdp2", model.get_base_model().model.layers)
     pusher = WeightPusher(args.url, bucket_mb=1, probe_tolerance=1e-4, adapter=True)
     version = info["weight_version"]
     report: list[dict] = []

@@ -33,7 +33,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -59,20 +58,9 @@ def build(model_dir: str, wrapper: str) -> nn.Module:
                 module.add_module(part, (Layer if i and path[i - 1] == "layers" else Node)())
             module = getattr(module, part)
         module.register_parameter(leaf, nn.Parameter(tensor.float()))
-    layers = [m for m in root.modules() if isinstance(m, Layer)]
-    if wrapper == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+    from tests.fsdp_wrap import wrap
 
-        for layer in layers:
-            fully_shard(layer)
-        fully_shard(root)
-    elif wrapper == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        root = FSDP(root, auto_wrap_policy=ModuleWrapPolicy({Layer}),
-                    device_id=torch.device("cpu"), use_orig_params=True)
-    return root
+    return wrap(root, wrapper, [m for m in root.modules() if isinstance(m, Layer)])
 
 
 def served_version(url: str) -> int:

@@ -10,7 +10,6 @@ caught by the probe; bad adapter manifests are 4xx naming the field."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ from rollout_sidecar.trainer import WeightMismatchError, WeightPusher
 from tests.conftest import ServerSpec, run_torchrun, serves, stop_server
 from tests.e2e.adapter_push_worker import build_lora, step
 from tests.e2e.peft_push_worker import gaps, scored_sequences, served
+from tests.polling import engine_tokens, until_decoding
 
 WORKER = Path(__file__).with_name("adapter_push_worker.py")
 GAP_TOL = 1e-4  # mean |dlogp|, fp32 served vs fp32 transformers (the issue's bound)
@@ -183,9 +183,10 @@ def test_a_request_in_flight_finishes_on_its_own_adapter(srv):
                 box["done"] = pusher_done.is_set()
 
         pusher_done = threading.Event()
+        tokens = engine_tokens(srv)
         t = threading.Thread(target=run)
         t.start()
-        time.sleep(0.5)  # let it be admitted and start decoding
+        until_decoding(srv, tokens, "the request on v+1 decoding")
         res = pusher.push(model, version=v + 2)
         pusher_done.set()
         t.join(timeout=600)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import ServerSpec, serves, stop_server
+from tests.polling import metric, until
 
 # Same tokens, same weights, float32: prefill (scoring) and decode agree to rounding.
 LOGPROB_TOL = 1e-5
@@ -183,21 +184,6 @@ def test_future_min_weight_version_is_409_not_a_hang(srv):
         assert time.monotonic() - t0 < 15
 
 
-def gauge(server, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == name)
-
-
-def wait_for(cond, what: str, limit_s: float = 60) -> None:
-    deadline = time.monotonic() + limit_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_work_of_a_client_that_left_is_aborted(srv, stream):
     """The client leaves as soon as the engine runs its request; the engine
@@ -207,20 +193,20 @@ def test_work_of_a_client_that_left_is_aborted(srv, stream):
     n, max_tokens = 8, 400
     body = json.dumps({"model": "", "messages": [{"role": "user", "content": "hi"}], "n": n,
                        "max_tokens": max_tokens, "ignore_eos": True, "stream": stream})
-    before = gauge(srv, "rollout_sidecar_engine_generation_tokens_total")
+    before = metric(srv, "rollout_sidecar_engine_generation_tokens_total")
     host, port = srv.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", "/v1/chat/completions", body=body,
                  headers={"Authorization": f"Bearer {srv.api_token}",
                           "Content-Type": "application/json"})
-    wait_for(lambda: gauge(srv, "rollout_sidecar_engine_unfinished_requests") > 0,
-             "the request never reached the engine")
+    until(lambda: metric(srv, "rollout_sidecar_engine_unfinished_requests") > 0,
+          "the request reaching the engine")
     conn.sock.shutdown(socket.SHUT_RDWR)  # the client leaves mid-request
     conn.close()
-    wait_for(lambda: gauge(srv, "rollout_sidecar_engine_unfinished_requests") == 0
-             and gauge(srv, "rollout_sidecar_requests_in_flight") == 0,
-             "the request ran on after its client left")
-    sampled = gauge(srv, "rollout_sidecar_engine_generation_tokens_total") - before
+    until(lambda: metric(srv, "rollout_sidecar_engine_unfinished_requests") == 0
+          and metric(srv, "rollout_sidecar_requests_in_flight") == 0,
+          "the request ending once its client left")
+    sampled = metric(srv, "rollout_sidecar_engine_generation_tokens_total") - before
     assert 0 < sampled < n * max_tokens / 2, f"{sampled} of {n * max_tokens} tokens sampled"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import httpx
 import pytest
 
 from tests import processes
-from tests.conftest import REPO
 
 WORKER = Path(__file__).with_name("push_worker.py")
 pytestmark = pytest.mark.slow
@@ -38,10 +36,8 @@ def run_worker(server, mode: str, v: int, tmp_path: Path, check: bool = True,
                                     "--version", str(v)]),
         # The worker shares the FSDP wrapping of tests/fidelity: the repo root on the path,
         # ahead of the caller's (which may point rollout_sidecar at this checkout).
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                     [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                 ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token,
-                 ROLLOUT_SIDECAR_API_TOKEN=server.api_token, **(env or {})),
+        env=processes.repo_env(ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token,
+                               ROLLOUT_SIDECAR_API_TOKEN=server.api_token, **(env or {})),
         timeout_s=600)
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -22,6 +22,7 @@ from rollout_sidecar.trainer import PartialCommitError, ReplicaLostError, Weight
 from tests.conftest import ServerSpec, serves, start_server, stop_server
 from tests.e2e.chaos import PHASES, Freezer, Traffic, freeze_at, timed, unhook
 from tests.e2e.test_push import assert_pushed, run_worker
+from tests.polling import until
 
 # quiet: a frozen replica must fail a push within its stall bound, in wall-clock time.
 pytestmark = [pytest.mark.slow, pytest.mark.quiet]
@@ -111,10 +112,11 @@ def test_a_push_under_rollouts_reaches_both_replicas_identically(pair, tmp_path)
     for w in workers:
         w.start()
     try:
-        time.sleep(1)
+        until(lambda: len(seen) >= 3, "rollouts answered before the push")
         v, _, report = push(pair, tmp_path)
         floor[0] = v + 1
-        time.sleep(2)
+        until(lambda: len(seen) >= 10 and any(got >= v + 1 for _, got in seen),
+              "rollouts served by the pushed version")
     finally:
         stop.set()
         for w in workers:
@@ -220,7 +222,7 @@ def test_a_frozen_replica_fails_the_push_fast_naming_it_while_clients_keep_going
     pusher, weights = chaos_trainer
     rows = []
     with Traffic(pair.url, pair.a.api_token, stall_timeout_s=5) as traffic:
-        time.sleep(2)
+        until(lambda: len(traffic.done) >= 4, "the clients' traffic flowing")
         for phase in PHASES:
             before = pair.versions()
             v = max(before) + 1

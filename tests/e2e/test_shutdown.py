@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from tests.conftest import start_server
-from tests.reliability.test_starvation import gauge
+from tests.polling import metric as gauge
+from tests.polling import until
 
 # quiet: the drain is asserted against wall-clock deadlines.
 pytestmark = [pytest.mark.slow, pytest.mark.quiet]
-
-
-def until(condition, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s:.0f}s: {what}"
-        time.sleep(0.05)
 
 
 def draining(keepalive: httpx.Client) -> bool:

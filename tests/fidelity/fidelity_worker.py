@@ -24,6 +24,8 @@ import json
 import torch
 import torch.distributed as dist
 
+from tests.fsdp_wrap import full_state_dict, wrap
+
 PROMPT = [104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]  # "hello world"
 # Scored sequences: 8 x 48 tokens, so that in bf16 one MoE routing flip on a
 # near-tie (a discrete jump of a few tenths of a nat) cannot dominate the mean.
@@ -33,43 +35,7 @@ SCORED_SEQS, SCORED_LEN = 8, 48
 def build(model_path: str, wrapper: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    layer_cls = type(model.model.layers[0])
-    if wrapper == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    elif wrapper == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
-                     device_id=torch.device("cpu"), use_orig_params=True)
-    return model
-
-
-def full_state_dict(model: torch.nn.Module, wrapper: str) -> dict[str, torch.Tensor]:
-    """torch's own unsharded weights (a collective), never our gather."""
-    if wrapper == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().clone() for k, v in sd.items()}
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-    with FSDP.summon_full_params(model, writeback=False):
-        sd = {clean_tensor_name(k): v.detach().clone() for k, v in model.named_parameters()}
-    for mod_name, m in model.named_modules():  # persistent buffers are never sharded
-        for name, buf in m._buffers.items():
-            if buf is not None and name not in m._non_persistent_buffers_set:
-                sd[clean_tensor_name(f"{mod_name}.{name}")] = buf.detach().clone()
-    return sd
+    return wrap(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), wrapper)
 
 
 def step(model: torch.nn.Module, vocab: int) -> None:

@@ -16,7 +16,6 @@ server (trl_async_worker.py).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -62,12 +61,10 @@ def launch(mode: str, tmp: Path) -> list[str]:
 
 def worker_env(srv) -> dict[str, str]:
     """A worker's environment: the server and its tokens, one thread each."""
-    return dict(os.environ, ROLLOUT_SIDECAR_URL=srv.url,
-                ROLLOUT_SIDECAR_API_TOKEN=srv.api_token,
-                ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
-                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get(
-                    "PYTHONPATH")])]))
+    return processes.repo_env(ROLLOUT_SIDECAR_URL=srv.url,
+                              ROLLOUT_SIDECAR_API_TOKEN=srv.api_token,
+                              ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
+                              OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 
 
 def run(srv, tmp: Path, mode: str, *args: str) -> list[dict]:

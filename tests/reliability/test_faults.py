@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from rollout_sidecar.trainer import WeightPusher, WeightPushError
+from tests.polling import until
 from tests.reliability.conftest import LEASE_S, served_version
 
 pytestmark = pytest.mark.slow
@@ -196,7 +197,9 @@ def test_a_connect_nobody_joins_does_not_hold_generation(reliable, trainer):
 
     t = threading.Thread(target=ghost)
     t.start()
-    time.sleep(0.5)
+    # The server logs the connect once it waits for the trainer to join.
+    until(lambda: "data-plane connect ghost: waiting" in reliable.log.read_text(),
+          "the server waiting for the ghost to join")
     with reliable.client() as c:
         r = c.generate(["still serving"], sampling=dict(max_tokens=4))
     answered_while_waiting = t.is_alive()

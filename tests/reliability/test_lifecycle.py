@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -22,6 +21,7 @@ import torch
 from rollout_sidecar.trainer import ServerRestartedError, WeightPusher
 from tests import processes
 from tests.conftest import ServerSpec, serves, start_server, stop_server
+from tests.polling import port_free, until
 
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).with_name("schemathesis.toml")
@@ -75,7 +75,8 @@ def test_sigkill_leaves_no_orphans_and_pushers_notice_the_restart(small):
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert alive == [], f"orphaned after SIGKILL: {[p.pid for p in alive]}"
 
-    time.sleep(1)  # the kernel releases the ports
+    until(lambda: port_free(small.port) and port_free(small.dp_port),
+          "the killed server's ports free again")
     restarted = start_server(small.tmp, "small-restarted", extra_env=SMALL,
                              max_model_len=64, like=small)
     small.proc = restarted.proc  # the fixture stops whichever runs

@@ -6,11 +6,11 @@ proves the tags honest under load; this pins the per-request outcome.)"""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from rollout_sidecar.trainer import WeightPusher
+from tests.polling import engine_tokens, until_decoding
 from tests.reliability.conftest import served_version
 
 pytestmark = pytest.mark.slow
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 def push_during_long_request(server, trainer, policy: str, n: int, max_tokens: int) -> tuple:
     v = served_version(server)
     box: dict = {}
+    tokens = engine_tokens(server)
 
     def long_request() -> None:
         with server.client(timeout=300) as c:
@@ -27,7 +28,7 @@ def push_during_long_request(server, trainer, policy: str, n: int, max_tokens: i
 
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(1.5)  # the request is running in the engine
+    until_decoding(server, tokens, "the long request decoding")
     assert t.is_alive(), "the request finished before the push: make it longer"
     pusher = WeightPusher(server.url, admin_token=server.admin_token, transport="http",
                           commit_policy=policy, probe=False)

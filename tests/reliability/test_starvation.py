@@ -8,18 +8,11 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from tests.polling import metric as gauge
+from tests.polling import sample
 
 pytestmark = pytest.mark.slow
-
-
-def sample(metrics_text: str, name: str) -> float:
-    return next(s.value for f in text_string_to_metric_families(metrics_text) for s in f.samples
-                if s.name == name)
-
-
-def gauge(server, name: str) -> float:
-    return sample(httpx.get(server.url + "/metrics", timeout=30).text, name)
 
 
 def test_work_of_a_client_that_left_is_cancelled(reliable):
