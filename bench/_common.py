@@ -151,7 +151,7 @@ class Server:
     def client(self):  # noqa: ANN201
         from rollout_sidecar.client import GenerationClient
 
-        return GenerationClient(self.url, token=self.api_token, timeout=900)
+        return GenerationClient(self.url, api_token=self.api_token, timeout=900)
 
     def weight_version(self) -> int:
         r = httpx.get(self.url + "/weights/status", timeout=30,

@@ -57,7 +57,7 @@ class Rollouts:
 
     def __init__(self, urls: list[str], token: str, n: int, liveness: bool) -> None:
         kw = {} if liveness else {"liveness": None}
-        self.clients = [GenerationClient(urls, token=token, **kw) for _ in range(n)]
+        self.clients = [GenerationClient(urls, api_token=token, **kw) for _ in range(n)]
         self.done: list[float] = []
         self.latency: list[tuple[float, float]] = []  # (end, seconds)
         self.errors: list[str] = []

@@ -15,6 +15,7 @@ import concurrent.futures
 import functools
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -116,11 +117,29 @@ def _awaited(build: Callable[P, Job[T]]) -> Callable[Concatenate[Any, P], Awaita
     return method
 
 
+def _renamed(url: Any, api_token: str | None, old: dict[str, Any]) -> tuple[Any, str | None]:
+    """`base_url` and `token`: the names before `url` and `api_token`, which
+    WeightPusher and sidecar_rollout_func use too; kept working until 0.3."""
+    for was, now in (("base_url", "url"), ("token", "api_token")):
+        if old.get(was) is not None:
+            warnings.warn(f"GenerationClient({was}=...) is now {now}=...; the old name goes "
+                          "in 0.3", DeprecationWarning, stacklevel=3)
+    return (url if url is not None else old.get("base_url"),
+            api_token if api_token is not None else old.get("token"))
+
+
+def _only_old(old: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(old) - {"base_url", "token"}
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
+    return old
+
+
 class _Replicated:
     """What both clients hold: the retry policy, the timeouts, the replica
     pool and its hold on the process-wide liveness verdicts."""
 
-    def __init__(self, base_url: str | Sequence[str] | None, token: str | None,
+    def __init__(self, url: str | Sequence[str] | None, api_token: str | None,
                  timeout: float, retry: RetryPolicy | None, refresh_s: float,
                  stall_timeout_s: float | None, liveness: LivenessPolicy | None,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None) -> None:
@@ -128,12 +147,14 @@ class _Replicated:
         # Each request sets its own read timeout (the stall bound); see request_plans.py.
         self.timeouts = Timeouts(timeout, stall_timeout_s)
         self._liveness = client_liveness(liveness, self, transport, self._loop_probe())
-        self._pool = ReplicaPool(base_url or None, refresh_s=refresh_s,  # "": the default
+        self._pool = ReplicaPool(url or None, refresh_s=refresh_s,  # "": the default
                                  liveness=self._liveness)
-        token = token if token is not None else os.environ.get("ROLLOUT_SIDECAR_API_TOKEN")
+        if api_token is None:
+            api_token = os.environ.get("ROLLOUT_SIDECAR_API_TOKEN")
         # No base_url: every request names its replica. No transport retries:
         # a connect error must move to another replica (see request_plans.py).
-        self._http_kwargs: dict[str, Any] = dict(headers=auth_headers(token), timeout=timeout)
+        self._http_kwargs: dict[str, Any] = dict(headers=auth_headers(api_token),
+                                                 timeout=timeout)
 
     def replicas(self) -> list[ReplicaState]:
         """Each replica's URL, requests outstanding from this client, last seen
@@ -152,11 +173,12 @@ class _Replicated:
 class GenerationClient(_Replicated):
     """Blocking client, safe to share between threads.
 
-    `base_url`: one URL, several (a list or a comma-separated string), or
+    `url`: one URL, several (a list or a comma-separated string), or
     `dns+http://name:port` for every address of a name (a Kubernetes headless
     Service; looked up again every `refresh_s` and when every replica is
-    down). Defaults to $ROLLOUT_SIDECAR_URL; the token to
-    $ROLLOUT_SIDECAR_API_TOKEN. `transport` replaces httpx's, for every replica.
+    down). Defaults to $ROLLOUT_SIDECAR_URL; `api_token` to
+    $ROLLOUT_SIDECAR_API_TOKEN (`base_url` and `token`: their old names, until
+    0.3). `transport` replaces httpx's, for every replica.
 
     `liveness`: while a request has waited a second on a replica, one thread
     per replica for the whole process (shared by every client over the same
@@ -172,12 +194,13 @@ class GenerationClient(_Replicated):
     and no retry starts after it (see request_plans.py).
     """
 
-    def __init__(self, base_url: str | Sequence[str] | None = None, token: str | None = None,
+    def __init__(self, url: str | Sequence[str] | None = None, api_token: str | None = None,
                  timeout: float = 300.0, retry: RetryPolicy | None = None,
                  transport: httpx.BaseTransport | None = None, refresh_s: float = 30.0,
                  stall_timeout_s: float | None = 30.0,
-                 liveness: LivenessPolicy | None = LivenessPolicy()) -> None:
-        super().__init__(base_url, token, timeout, retry, refresh_s, stall_timeout_s,
+                 liveness: LivenessPolicy | None = LivenessPolicy(), **old: Any) -> None:
+        url, api_token = _renamed(url, api_token, _only_old(old))
+        super().__init__(url, api_token, timeout, retry, refresh_s, stall_timeout_s,
                          liveness, transport)
         self._http = httpx.Client(transport=transport, **self._http_kwargs)
 
@@ -238,13 +261,14 @@ class GenerationClient(_Replicated):
 class AsyncGenerationClient(_Replicated):
     """The same API as `GenerationClient`, for asyncio loops."""
 
-    def __init__(self, base_url: str | Sequence[str] | None = None, token: str | None = None,
+    def __init__(self, url: str | Sequence[str] | None = None, api_token: str | None = None,
                  timeout: float = 300.0, retry: RetryPolicy | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
                  refresh_s: float = 30.0, stall_timeout_s: float | None = 30.0,
-                 liveness: LivenessPolicy | None = LivenessPolicy()) -> None:
+                 liveness: LivenessPolicy | None = LivenessPolicy(), **old: Any) -> None:
+        url, api_token = _renamed(url, api_token, _only_old(old))
         self._loop: asyncio.AbstractEventLoop | None = None  # the last one a call ran on
-        super().__init__(base_url, token, timeout, retry, refresh_s, stall_timeout_s,
+        super().__init__(url, api_token, timeout, retry, refresh_s, stall_timeout_s,
                          liveness, transport)
         self._http = httpx.AsyncClient(transport=transport, **self._http_kwargs)
 

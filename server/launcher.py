@@ -8,7 +8,7 @@ imports neither vLLM nor torch (the server it starts does), only the standard
 library and httpx.
 
     with launch_server(log=Path("server.log")) as server:
-        GenerationClient(server.url, token=server.api_token).generate(...)
+        GenerationClient(server.url, api_token=server.api_token).generate(...)
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class Server:
     def client(self, **kw):
         from rollout_sidecar.client import GenerationClient
 
-        return GenerationClient(self.url, token=self.api_token, **kw)
+        return GenerationClient(self.url, api_token=self.api_token, **kw)
 
 
 def as_server(s: ServerProcess, tmp: Path) -> Server:

@@ -92,3 +92,22 @@ def test_async_client_is_the_same_api():
 
     assert asyncio.run(run()).weight_version == 3
     assert len(calls) == 2 and b'"min_weight_version":3' in calls[1].content
+
+
+def test_the_old_argument_names_still_work_with_a_warning():
+    """`url` and `api_token`, as WeightPusher and sidecar_rollout_func name
+    them; `base_url` and `token` keep working until 0.3."""
+    import warnings
+
+    from rollout_sidecar.client import GenerationClient
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GenerationClient("http://a:1", api_token="t").close()
+    with pytest.warns(DeprecationWarning, match="token=.*api_token="):
+        c = GenerationClient(base_url="http://a:1", token="t")
+    assert c.replicas()[0].url == "http://a:1"
+    assert c._http_kwargs["headers"]["Authorization"] == "Bearer t"
+    c.close()
+    with pytest.raises(TypeError, match="tokn"):
+        GenerationClient("http://a:1", tokn="t")

@@ -90,7 +90,7 @@ class Traffic:
 
     def _run(self, i: int) -> None:
         retry = RetryPolicy(attempts=6, backoff_s=0.2, stall_down_s=10)
-        with GenerationClient(self.url, token=self.token, retry=retry, timeout=120,
+        with GenerationClient(self.url, api_token=self.token, retry=retry, timeout=120,
                               stall_timeout_s=self.stall_timeout_s) as c:
             while not self._stop.is_set():
                 try:

@@ -48,7 +48,7 @@ def main() -> None:
     dense_admin, dense_api = args.dense_tokens.split(",")
     by_dense = WeightPusher(args.dense_url, dense_admin, bucket_mb=1, delta=False)
     clients = [GenerationClient(args.delta_url),
-               GenerationClient(args.dense_url, token=dense_api)] if rank == 0 else []
+               GenerationClient(args.dense_url, api_token=dense_api)] if rank == 0 else []
     box = [max(c.info().weight_version for c in clients) if clients else None]
     dist.broadcast_object_list(box, src=0)
     version = box[0]

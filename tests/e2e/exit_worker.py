@@ -70,7 +70,7 @@ def served_version(url: str) -> int:
 
     version = None
     if rank() == 0:
-        with GenerationClient(url, token=os.environ["ROLLOUT_SIDECAR_API_TOKEN"]) as c:
+        with GenerationClient(url, api_token=os.environ["ROLLOUT_SIDECAR_API_TOKEN"]) as c:
             version = c.info().weight_version
     return broadcast(version)
 

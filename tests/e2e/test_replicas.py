@@ -93,7 +93,7 @@ def test_a_push_under_rollouts_reaches_both_replicas_identically(pair, tmp_path)
     stop = threading.Event()
     seen: list[tuple[int, int]] = []
     errors: list[str] = []
-    client = GenerationClient(pair.url, token=pair.a.api_token)
+    client = GenerationClient(pair.url, api_token=pair.a.api_token)
 
     def rollouts():
         i = 0
@@ -184,7 +184,7 @@ def test_replica_killed_mid_push_publishes_nowhere_then_rejoins(pair, tmp_path):
     assert r.status_code == 409 and "no push is in flight" in r.json()["error"], r.text
     assert int(r.headers["retry-after"]) >= 1
     before = generated_tokens(pair.b)
-    with GenerationClient([pair.b.url, pair.a.url], token=pair.a.api_token) as fresh:
+    with GenerationClient([pair.b.url, pair.a.url], api_token=pair.a.api_token) as fresh:
         r = fresh.generate(["x"], min_weight_version=v, sampling=dict(max_tokens=4))
     assert r.weight_version == v and r.replica == pair.a.url and r.retried == []
     assert generated_tokens(pair.b) == before

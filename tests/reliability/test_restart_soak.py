@@ -92,7 +92,7 @@ def test_a_replica_killed_and_restarted_under_load(reliable, replica_b, oracle):
 
     def rollouts(i: int) -> None:
         rng = random.Random(i)
-        with GenerationClient(urls, token=a.api_token) as client:
+        with GenerationClient(urls, api_token=a.api_token) as client:
             while not stop.is_set():
                 prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 8))]]
                 try:

@@ -256,7 +256,7 @@ class SidecarRollout:
 
     def _connect(self) -> None:
         if self.client is None:
-            self.client = GenerationClient(self.url, token=self.api_token)
+            self.client = GenerationClient(self.url, api_token=self.api_token)
         if self.pusher is None:
             self.pusher = WeightPusher(self.url, self.admin_token, **self.push_options)
 
