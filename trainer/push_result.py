@@ -18,6 +18,9 @@ from rollout_sidecar.client.protocol import (
 # that fails before it raises instead, and no replica has published anything.
 Outcome = Literal["committed", "failed"]
 
+# What a push carries (push_plan.py says how each is decided).
+Encoding = Literal["dense", "delta", "adapter", "adapter+base"]
+
 
 @dataclass
 class ReplicaOutcome:
@@ -47,7 +50,7 @@ class PushResult:
     commit_policy: str | None = None
     server_restarted: bool = False  # a server had restarted since the previous push
     replicas: list[ReplicaOutcome] = field(default_factory=list)
-    encoding: Literal["dense", "delta", "adapter", "adapter+base"] = "dense"
+    encoding: Encoding = "dense"
     """"delta": only changes travelled (`nbytes` is what went on the wire);
     "adapter": a LoRA adapter alone; "adapter+base": the adapter with the
     base weights it applies to (a replica's first adapter push)."""

@@ -4,9 +4,10 @@
 A push, in order:
   1. refuse a model with parameters still on the meta device (any rank's);
   2. open (rank 0): read what every replica serves (control/serving_state.py),
-     connect the data plane, and say whether a delta can go (delta/);
-  3. begin: plan the buckets (a delta's from every rank's diff of its own
-     shard), begin on every replica;
+     connect the data plane, and say whether a delta or an adapter can go;
+  3. plan (push_plan.py), on every rank: the encoding (dense, delta from every
+     rank's diff of its own shard, adapter, adapter+base) and why; begin: lay
+     out the buckets, begin on every replica;
   4. gather and send: every rank gathers every bucket in the same order (the
      collectives line up); rank 0 packs and sends (pack/sender.py): the full
      tensors, or the changed elements of each rank's shard;
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from rollout_sidecar.client.protocol import AdapterSpec, BucketManifest, CommitPolicy
+from rollout_sidecar.client.protocol import BucketManifest, CommitPolicy
 from rollout_sidecar.client.protocol.wire_format import dtype_name
 from rollout_sidecar.trainer.adapter.adapter_push import AdapterPush
 from rollout_sidecar.trainer.adapter.lora_adapter import LoraAdapter
@@ -52,6 +53,7 @@ from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
 from rollout_sidecar.trainer.pack.sender import BucketSender
 from rollout_sidecar.trainer.probe import Forward, probe_push
 from rollout_sidecar.trainer.push_config import PushConfig, probe_arguments
+from rollout_sidecar.trainer.push_plan import PushPlan, drained
 from rollout_sidecar.trainer.push_result import PushResult
 from rollout_sidecar.trainer.rank_agreement import agree, any_rank, broadcast, rank
 from rollout_sidecar.trainer.release import close_parts, close_when_gone
@@ -153,36 +155,32 @@ class WeightPusher:
         opening: Opening = agree(lambda: self._open(model, version, adapter)
                                  if self.rank == 0 else None)
         t_opened = time.perf_counter()
-        delta, why_dense = self._delta.plan(model, opening, self.config.bucket_bytes) \
-            if self._delta is not None else (None, None)
+        plan = self._plan(model, opening)  # every rank: the same plan
         diff_s = time.perf_counter() - t_opened  # every rank's diff and the counts
-        begun: _Begun = agree(lambda: self._begin(model, version, opening, delta)
+        begun: _Begun = agree(lambda: self._begin(model, version, plan)
                               if self.rank == 0 else None)
         t_begun = time.perf_counter()
-        if delta is not None:
-            checksums, err = self._send_delta(delta, begun)
+        if plan.delta is not None:
+            checksums, err = self._send_delta(plan.delta, begun)
         else:
-            checksums, err = self._gather_and_send(model, begun, opening.buffers,
-                                                   opening.adapter)
+            checksums, err = self._gather_and_send(model, begun, plan)
         t_sent = time.perf_counter()
         result: PushResult = agree(lambda: self._commit(begun, checksums, err,
                                                         opening.restarted)
                                    if self.rank == 0 else None)
         t_committed = time.perf_counter()
         if self._delta is not None and opening.keep_copy:  # the next delta's base
-            self._delta.committed(model, opening, result.version, delta)
-        self._adapter.committed(opening.adapter, result.version)
+            self._delta.committed(model, opening, result.version, plan.delta)
+        self._adapter.committed(plan.adapter, result.version)
+        result.encoding, result.delta_base = plan.encoding, plan.delta_base
         result.adapter_reason = opening.adapter_reason
-        if opening.adapter is not None:
-            result.encoding = "adapter+base" if opening.adapter.with_base else "adapter"
-        if delta is not None:
+        if plan.delta is not None:
             result.timings["diff_s"] = diff_s
-            result.encoding, result.delta_base = "delta", delta.base
-            result.changed = sum(p.changed for p in delta.plans
+            result.changed = sum(p.changed for p in plan.delta.plans
                                  if p.form.value != "dense")
-            result.elements = sum(p.numel for p in delta.plans)
+            result.elements = sum(p.numel for p in plan.delta.plans)
         else:
-            result.delta_reason = why_dense
+            result.delta_reason = plan.why_dense
         if probe is None:  # the pusher's setting, every probe_every-th push
             probe = self.config.probe if self._pushes % self.config.probe_every == 0 else False
         self._pushes += 1
@@ -225,50 +223,50 @@ class WeightPusher:
                        base, why, keep_copy=not converted, adapter=spec,
                        adapter_reason=adapter_reason)
 
-    def _begin(self, model: nn.Module, version: int, opening: Opening,
-               delta: DeltaPlan | None) -> _Begun:
-        """Rank 0: plan the buckets (a delta's are planned), begin everywhere."""
+    def _plan(self, model: nn.Module, opening: Opening) -> PushPlan:
+        """Every rank: a delta if one may go and is worth it (the diff is a
+        collective), else what `opening` says (push_plan.py)."""
+        delta, why_dense = self._delta.plan(model, opening, self.config.bucket_bytes) \
+            if self._delta is not None else (None, None)
+        return PushPlan(opening, delta, why_dense)
+
+    def _begin(self, model: nn.Module, version: int, plan: PushPlan) -> _Begun:
+        """Rank 0: lay out the buckets (a delta's are planned), begin everywhere."""
         serving = self._serving
-        if delta is not None:
-            buckets = delta.buckets
-        elif opening.adapter is not None:
-            with_base = opening.adapter.with_base
-            plan = LoraAdapter(model).plan(
-                param_plan(model, opening.buffers if with_base else ()), with_base)
-            buckets = plan_buckets(plan, serving.serve_dtype, self.config.bucket_bytes,
-                                   serving.wire_dtypes, self.config.split_tensors)
+        buffers = plan.opening.buffers if plan.sends_buffers else ()
+        if plan.delta is not None:
+            buckets = plan.delta.buckets
         else:
-            merge = PeftMerge(model)
-            plan = CheckpointLayout(merge.base_model).plan(
-                merge.plan(param_plan(model, opening.buffers)))
-            buckets = plan_buckets(plan, serving.serve_dtype, self.config.bucket_bytes,
+            if plan.adapter is not None:
+                params = LoraAdapter(model).plan(param_plan(model, buffers),
+                                                 plan.adapter.with_base)
+            else:
+                merge = PeftMerge(model)
+                params = CheckpointLayout(merge.base_model).plan(
+                    merge.plan(param_plan(model, buffers)))
+            buckets = plan_buckets(params, serving.serve_dtype, self.config.bucket_bytes,
                                    serving.wire_dtypes, self.config.split_tensors)
         push_ids = self._two_phase.begin(version, manifest(buckets), self.config.commit_policy,
-                                         serving.commit_timeout_s,
-                                         delta.base if delta is not None else None,
-                                         opening.adapter.model_dump(exclude_none=True)
-                                         if opening.adapter is not None else None)
+                                         serving.commit_timeout_s, plan.delta_base,
+                                         plan.adapter.model_dump(exclude_none=True)
+                                         if plan.adapter is not None else None)
         return _Begun(buckets, push_ids)
 
     def _send_delta(self, delta: DeltaPlan, begun: _Begun) -> tuple[list[int], Error | None]:
         """Every rank sends its changes of each bucket to rank 0, which
         encodes, packs and sends the patches."""
-        patches = delta.diff.patches(begun.buckets, delta.plans)
-        if self.rank != 0:
-            for _ in patches:  # every bucket's gather
-                pass
-            return [], None
-        assert self.transport is not None
-        try:
-            out = self._sender.send_all(begun.buckets, patches, self.transport, begun.push_ids)
-        except Exception as e:
-            out = [], ("push", f"{type(e).__name__}: {e}")
-        for _ in patches:  # finish every gather the other ranks are in
-            pass
-        return out
+        with drained(delta.diff.patches(begun.buckets, delta.plans)) as patches:
+            if self.rank != 0:
+                return [], None  # `drained` runs every bucket's gather
+            assert self.transport is not None
+            try:
+                return self._sender.send_all(begun.buckets, patches, self.transport,
+                                             begun.push_ids)
+            except Exception as e:
+                return [], ("push", f"{type(e).__name__}: {e}")
 
-    def _gather_and_send(self, model: nn.Module, begun: _Begun, buffers: list[str],
-                         spec: AdapterSpec | None = None) -> tuple[list[int], Error | None]:
+    def _gather_and_send(self, model: nn.Module, begun: _Begun, plan: PushPlan
+                         ) -> tuple[list[int], Error | None]:
         """Every rank gathers every tensor; rank 0 packs and sends them. An
         error is returned, not raised, so rank 0 keeps taking part in every
         gather; the commit step then agrees on it."""
@@ -277,30 +275,25 @@ class WeightPusher:
         # of a gather (a block, or a whole gather of at most a quarter bucket).
         c = self.config
         block_bytes = broadcast(c.bucket_bytes // 2 if c.row_blocks else None)
-        lora = LoraAdapter(model) if spec is not None else None
-        with_base = spec is not None and spec.with_base
+        lora = LoraAdapter(model) if plan.adapter is not None else None
         # An adapter alone: only its factors are gathered (the same on every rank).
-        only = lora.is_factor if lora is not None and not with_base else None
-        if self.rank != 0:
-            for _ in iter_full_tensors(model, c.device, (), block_bytes, only):  # every gather
-                pass
-            return [], None
-        assert self.transport is not None
-        gathers = iter_full_tensors(model, c.device, buffers if spec is None or with_base
-                                    else (), block_bytes, only)
-        try:
-            if lora is not None:
-                tensors = lora.convert(gathers, with_base)
-            else:
-                merge = PeftMerge(model)
-                tensors = CheckpointLayout(merge.base_model).convert(merge.convert(gathers))
-            checksums, err = self._sender.send_all(begun.buckets, tensors, self.transport,
-                                                   begun.push_ids)
-        except Exception as e:  # e.g. a layout conversion; agreed on at the commit
-            checksums, err = [], ("push", f"{type(e).__name__}: {e}")
-        for _ in gathers:  # finish every gather the other ranks are in
-            pass
-        return checksums, err
+        only = lora.is_factor if lora is not None and plan.encoding == "adapter" else None
+        # Buffers are not collectives: only rank 0 reads them.
+        buffers = plan.opening.buffers if self.rank == 0 and plan.sends_buffers else ()
+        with drained(iter_full_tensors(model, c.device, buffers, block_bytes, only)) as gathers:
+            if self.rank != 0:
+                return [], None  # `drained` runs every gather
+            assert self.transport is not None
+            try:
+                if lora is not None:
+                    tensors = lora.convert(gathers, plan.encoding == "adapter+base")
+                else:
+                    merge = PeftMerge(model)
+                    tensors = CheckpointLayout(merge.base_model).convert(merge.convert(gathers))
+                return self._sender.send_all(begun.buckets, tensors, self.transport,
+                                             begun.push_ids)
+            except Exception as e:  # e.g. a layout conversion; agreed on at the commit
+                return [], ("push", f"{type(e).__name__}: {e}")
 
     def _commit(self, begun: _Begun, checksums: list[int], err: Error | None,
                 restarted: bool) -> PushResult:
