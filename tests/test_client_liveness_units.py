@@ -27,6 +27,7 @@ import pytest
 from rollout_sidecar.client import AsyncGenerationClient, GenerationClient, LivenessPolicy
 from rollout_sidecar.client.liveness_registry import REGISTRY
 from rollout_sidecar.client.replica_pool import _weight
+from tests import polling
 from tests.test_client_routing import generated
 
 LIVE = LivenessPolicy(every_s=0.5, timeout_s=1.0, misses=2, after_s=0.25)
@@ -116,10 +117,7 @@ def replicas() -> Iterator[Callable[..., list[FakeReplica]]]:
 
 
 def until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {DEADLINE_S:.0f}s: {what}"
-        time.sleep(0.05)
+    polling.until(condition, what, DEADLINE_S)
 
 
 def homed_at(home: str, urls: list[str]) -> str:
