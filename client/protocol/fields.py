@@ -30,6 +30,7 @@ Bool = Annotated[bool, Strict()]  # true or false, not 1 or "yes"
 Port = Annotated[int, Field(ge=1, le=65535), BeforeValidator(_no_bool)]
 Seconds = Annotated[float, Field(gt=0, le=3600), BeforeValidator(_no_bool)]  # a timeout
 Positive = Annotated[float, Field(gt=0), BeforeValidator(_no_bool)]
+NonNegative = Annotated[int, Field(ge=0), BeforeValidator(_no_bool)]
 
 
 def not_null(schema: dict[str, Any]) -> None:

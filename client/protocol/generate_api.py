@@ -13,6 +13,7 @@ from rollout_sidecar.client.protocol.fields import (
     FinishReason,
     Float,
     Int,
+    NonNegative,
     ReplyModel,
     StrictModel,
     TokenIds,
@@ -88,8 +89,8 @@ class GenerateRequest(StrictModel):
         None,
         description="Wait (bounded) until the server holds at least this weight version.",
     )
-    max_version_lag: Int | None = Field(
-        None, ge=0, json_schema_extra=not_null,
+    max_version_lag: NonNegative | None = Field(
+        None,
         description="While the request runs, none of its tokens is more than this many "
         "versions behind the newest committed one. Only a commit with policy 'keep' lets "
         "a request run across a commit: one that would leave a prompt's oldest token "
