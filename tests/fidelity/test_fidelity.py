@@ -14,7 +14,6 @@ One server per family and dtype, shared by that family's tests.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,8 +76,9 @@ def run_worker(fs: FamilyServer, tmp_path: Path, wrappers: str = "fsdp2",
     proc = processes.run(
         processes.torchrun(WORKER, ["--url", s.url, "--model", str(s.model_path), "--wrappers",
                                     wrappers, "--scenario", scenario, "--out", str(out)]),
-        env=dict(os.environ, ROLLOUT_SIDECAR_ADMIN_TOKEN=s.admin_token,
-                 ROLLOUT_SIDECAR_API_TOKEN=s.api_token),
+        # The worker imports tests/fsdp_wrap.py: the repository on the path.
+        env=processes.repo_env(ROLLOUT_SIDECAR_ADMIN_TOKEN=s.admin_token,
+                               ROLLOUT_SIDECAR_API_TOKEN=s.api_token),
         timeout_s=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     runs = json.loads(out.read_text())["runs"]
