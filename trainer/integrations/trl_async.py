@@ -99,6 +99,13 @@ class SidecarRolloutLoop(_AsyncRolloutLoop):
         return samples
 
 
+def _get(url: str, headers: dict[str, str]) -> dict:
+    """A GET of the server's JSON; a 401 (no or a wrong API token) says so."""
+    r = httpx.get(url, headers=headers, timeout=60)
+    r.raise_for_status()
+    return r.json()
+
+
 @contextmanager
 def plain_attention(model: Any) -> Iterator[None]:
     """PyTorch's SDPA attention for the push's probe, whose forward is a plain
@@ -137,11 +144,14 @@ class SidecarAsyncGRPOTrainer(AsyncGRPOTrainer):
                  admin_token: str | None = None, pusher: WeightPusher | None = None,
                  **kwargs: Any) -> None:
         push_options = kwargs.pop("push_options", {})
-        config = kwargs.get("args")
-        self.sidecar_url = url or config.vllm_server_base_url
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if config is None:
+            raise ValueError("SidecarAsyncGRPOTrainer needs args=AsyncGRPOConfig(...): its "
+                             "vllm_server_base_url names the server")
+        self.sidecar_url = (url or config.vllm_server_base_url).rstrip("/")
         api_token = api_token or os.environ.get("ROLLOUT_SIDECAR_API_TOKEN")
         headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
-        info = httpx.get(f"{self.sidecar_url}/info", headers=headers, timeout=60).json()
+        info = _get(f"{self.sidecar_url}/info", headers)
         if config.token_budget is None:  # TRL would ask /v1/models without a token
             config.token_budget = info["max_model_len"]
         super().__init__(*args, weight_transfer=_OurDataPlane(), **kwargs)
@@ -153,8 +163,7 @@ class SidecarAsyncGRPOTrainer(AsyncGRPOTrainer):
         self.model_version = info["weight_version"]
         self.pushes: list[dict] = []
         if self.rollout_worker is not None:  # rank 0, before train() starts it
-            models = httpx.get(f"{self.sidecar_url}/v1/models", headers=headers,
-                               timeout=60).json()
+            models = _get(f"{self.sidecar_url}/v1/models", headers)
             self.rollout_worker._loop_cls = SidecarRolloutLoop
             self.rollout_worker._loop_kwargs.update(
                 api_token=api_token, vllm_server_url=self.sidecar_url,
