@@ -24,6 +24,17 @@ import torch.distributed as dist
 from tests.fsdp_wrap import wrap
 
 
+# A dense push with no buffers: what `_gather_and_send` is given (trainer/push_plan.py).
+def _dense_plan():  # noqa: ANN202
+    from rollout_sidecar.trainer.delta.delta_push import Opening
+    from rollout_sidecar.trainer.push_plan import PushPlan
+
+    return PushPlan(Opening(False, "", {}, [], None, None), None, None)
+
+
+DENSE = _dense_plan()
+
+
 def shard(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
     layers = model.get_base_model().model.layers
     if wrapper != "fsdp1_peft_policy":
@@ -85,7 +96,7 @@ def main() -> None:
             begun = _Begun(plan_buckets(plan, torch.float32, pusher.config.bucket_bytes),
                            ["p"])
             pusher.transport = LoopbackTransport()
-        _, err = pusher._gather_and_send(model, begun, [])
+        _, err = pusher._gather_and_send(model, begun, DENSE)
         # every rank's shards, bit for bit (before the forward, which may
         # leave FSDP2's root unsharded)
         same = torch.tensor([int(all(torch.equal(a, b) for a, b in zip(

@@ -30,6 +30,16 @@ from tests.test_split_buckets import LoopbackTransport
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BUCKET = 1 << 15  # 32 KiB: many buckets, the larger weights split across them
 
+# A dense push with no buffers: what `_gather_and_send` is given (trainer/push_plan.py).
+def _dense_plan():  # noqa: ANN202
+    from rollout_sidecar.trainer.delta.delta_push import Opening
+    from rollout_sidecar.trainer.push_plan import PushPlan
+
+    return PushPlan(Opening(False, "", {}, [], None, None), None, None)
+
+
+DENSE = _dense_plan()
+
 
 def llama(tied: bool = False, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     torch.manual_seed(0)
@@ -76,7 +86,7 @@ def push_loopback(model: torch.nn.Module, wire: torch.dtype = torch.float32
     buckets = plan_buckets(plan, wire, BUCKET)
     pusher = WeightPusher("http://127.0.0.1:9", admin_token="t", probe=False)
     pusher.transport = LoopbackTransport()
-    checksums, err = pusher._gather_and_send(model, _Begun(buckets, ["p"]), [])
+    checksums, err = pusher._gather_and_send(model, _Begun(buckets, ["p"]), DENSE)
     assert err is None, err
     assert len(checksums) == len(buckets) > 1
     return reassemble(buckets, pusher.transport.sent), buckets
