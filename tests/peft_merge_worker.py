@@ -24,17 +24,6 @@ import torch.distributed as dist
 from tests.fsdp_wrap import wrap
 
 
-# A dense push with no buffers: what `_gather_and_send` is given (trainer/push_plan.py).
-def _dense_plan():  # noqa: ANN202
-    from rollout_sidecar.trainer.delta.delta_push import Opening
-    from rollout_sidecar.trainer.push_plan import PushPlan
-
-    return PushPlan(Opening(False, "", {}, [], None, None), None, None)
-
-
-DENSE = _dense_plan()
-
-
 def shard(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
     layers = model.get_base_model().model.layers
     if wrapper != "fsdp1_peft_policy":
@@ -61,7 +50,7 @@ def main() -> None:
     from rollout_sidecar.trainer.probe import trainer_logprobs
     from rollout_sidecar.trainer.pusher import WeightPusher, _Begun
     from tests.row_blocks_worker import reassemble
-    from tests.test_peft_merge import BUCKET, peft_llama
+    from tests.test_peft_merge import BUCKET, DENSE, peft_llama
     from tests.test_split_buckets import LoopbackTransport
 
     ap = argparse.ArgumentParser()
