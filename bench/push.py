@@ -56,6 +56,7 @@ DTYPE = torch.bfloat16  # what the server serves, so what goes over the wire
 # (hidden, intermediate, layers): 10.5M, 103M and 515M parameters, head_dim 64.
 SIZES = {"10m": (512, 1536, 3), "100m": (1024, 2816, 8), "500m": (2048, 5632, 10)}
 TARGET_TRANSFER, TARGET_TOTAL, TARGET_RSS, TARGET_PER_PARAM = 0.8, 0.4, 3.0, 10.0
+TARGET_NOOP_S = 0.05
 
 
 # ------------------------------------------------------------------ trainer model
@@ -102,6 +103,29 @@ def timed_pushes(url: str, token: str, model: torch.nn.Module, version: int, rep
     finally:
         pusher.close()
     return runs, r.nbytes, r.buckets
+
+
+def noop_pushes(url: str, token: str, model: torch.nn.Module, version: int, repeats: int,
+                bucket_mb: float) -> list[dict[str, float]]:
+    """The fixed cost of a push: the default pusher (deltas on) pushes the same
+    weights again. The first push is dense (the base); each later one finds
+    nothing changed."""
+    from rollout_sidecar.trainer import WeightPusher
+
+    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=bucket_mb,
+                          probe=False)
+    runs = []
+    try:
+        for i in range(repeats + 2):  # dense base, one warm-up delta, then the timed ones
+            r = pusher.push(model, version=version)
+            version += 1
+            if i and r.encoding != "delta":
+                raise RuntimeError(f"an unchanged push went {r.encoding}: {r.delta_reason}")
+            if i > 1:
+                runs.append(r.timings)
+    finally:
+        pusher.close()
+    return runs
 
 
 def dense_only(r: Any) -> None:
@@ -273,6 +297,7 @@ class SizeResult:
     nbytes: int = 0
     buckets: int = 0
     push: dict[str, float] = field(default_factory=dict)  # median of each timing
+    noop: dict[str, float] = field(default_factory=dict)  # an unchanged push's medians
     raw_gloo_s: float = 0.0
     memcpy_s: float = 0.0
     crc_s: float = 0.0
@@ -296,6 +321,10 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> SizeResult
                                                      args.repeats, args.bucket_mb)
         res.push = {k: median([r[k] for r in runs]) for k in runs[0]}
         print(f"[{size}] bucketed push: {res.push['total_s']:.3f}s", flush=True)
+        noop = noop_pushes(server.url, server.admin_token, model,
+                           server.weight_version() + 1, args.repeats, args.bucket_mb)
+        res.noop = {k: median([r.get(k, 0.0) for r in noop]) for k in noop[0]}
+        print(f"[{size}] unchanged (delta) push: {res.noop['total_s']:.3f}s", flush=True)
         for mb in args.rss_buckets:
             v = server.weight_version() + 1
             res.rss[mb] = measure_rss(ckpt, server.url, server.admin_token, v, mb,
@@ -374,6 +403,21 @@ def report(results: list[SizeResult], args: argparse.Namespace) -> None:
                  "crc32 GB/s", "send/gloo", "push/gloo"], rates))
     print(f"send = trainer pack+CRC+send (gather_send_s), send/gloo target >= {TARGET_TRANSFER}; "
           f"push = begin..commit (total_s), push/gloo target >= {TARGET_TOTAL}")
+    print("\n== a push of unchanged weights (the default pusher: a delta with nothing in it), "
+          f"median of {args.repeats} ==")
+    print(table(["size", "open+diff+begin s", "diff s", "send s", "check s", "commit s",
+                 "total s", "total/dense"],
+                [[r.size, r.noop["begin_s"], r.noop.get("diff_s", 0.0),
+                  r.noop["gather_send_s"], r.noop.get("server_check_s", 0.0),
+                  r.noop.get("server_commit_s", 0.0), r.noop["total_s"],
+                  r.noop["total_s"] / r.push["total_s"]] for r in results]))
+    print(f"target: total <= {TARGET_NOOP_S} s")
+    print("\n== where the server's commit goes (the slowest replica's steps, median s) ==")
+    steps = ["drain_s", "pause_s", "patch_s", "relabel_s", "load_s", "finish_s", "label_s",
+             "publish_s", "resume_s", "commit_s"]
+    rows = [[f"{r.size} {form}", *[t.get(f"server_{k}", 0.0) for k in steps]]
+            for r in results for form, t in (("dense", r.push), ("unchanged", r.noop))]
+    print(table(["push", *[k.removesuffix("_s") for k in steps]], rows))
 
     if any(r.rss for r in results):
         report_rss(results)

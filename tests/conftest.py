@@ -141,6 +141,20 @@ def server(server_plan):
     stop_server(s)
 
 
+FP32 = ServerSpec("fp32", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+@serves(FP32)
+def fp32_server(server_plan):
+    """The default model served in float32, for the modules that need nothing
+    else of their server (test_openai.py, test_peft_push.py): one start, not
+    one per module. Each reads the version it starts from."""
+    s = server_plan.take(FP32)
+    yield s
+    stop_server(s)
+
+
 # Folders whose tests start a real engine, torchrun ranks or Docker: marked
 # `e2e`, so `tests/run.sh --fast` (-m "not e2e") leaves them out. A test
 # elsewhere that takes a server fixture is marked too.

@@ -56,11 +56,16 @@ def test_a_nan_in_another_ranks_shard_is_refused(tmp_path):
     assert kind == "nonfinite" and "model.layers.1.mlp.up_proj.weight" in message
 
 
+@pytest.mark.parametrize("source", ["fp32", "bf16", "bf16-unaligned"])
 @pytest.mark.parametrize("density", [0.0, 0.002, 0.05, 0.6])
-def test_the_chunked_diff_finds_what_a_whole_tensor_compare_finds(monkeypatch, density):
+def test_the_chunked_diff_finds_what_a_whole_tensor_compare_finds(monkeypatch, density,
+                                                                   source):
     """ShardCopy's host diff runs in chunks: changes across chunk borders, in
     chunks with none, and a piece turning dense midway give what one
-    whole-tensor compare gives (a piece that starts mid-tensor included)."""
+    whole-tensor compare gives (a piece that starts mid-tensor included).
+    fp32 master weights are cast per chunk; a piece already in the wire dtype
+    is compared in place, 8 bytes at a time where aligned (`bf16`), element
+    by element where not (`bf16-unaligned`)."""
     import torch
 
     from rollout_sidecar.client.protocol.delta_codec import bits
@@ -69,7 +74,10 @@ def test_the_chunked_diff_finds_what_a_whole_tensor_compare_finds(monkeypatch, d
 
     monkeypatch.setattr(shard_copy, "CHUNK", 64)
     g = torch.Generator().manual_seed(0)
-    master = torch.randn(1000, generator=g)
+    dtype = torch.float32 if source == "fp32" else torch.bfloat16
+    master = torch.randn(1001, generator=g).to(dtype)
+    # A view from element 1: its first byte is not 8-byte aligned.
+    master = master[1:] if source == "bf16-unaligned" else master[:1000]
     master[5] = 0.0
     piece = Piece("w", 300, master)
     copy = shard_copy.ShardCopy()

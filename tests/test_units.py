@@ -139,6 +139,13 @@ def test_manifest_check_refuses_partial_wrong_shape_and_dtype():
         with pytest.raises(BadRequest) as e:
             check_manifest(req(params), index, "bfloat16")
         assert e.value.field == field
+    # No bucket at all: only a delta of unchanged weights (its base, relabelled).
+    unchanged = BeginRequest(version=2, buckets=[], delta_base=1)
+    check_manifest(unchanged, index, "bfloat16")
+    assert unchanged.unchanged and not req([a, b]).unchanged
+    with pytest.raises(BadRequest) as e:
+        check_manifest(BeginRequest(version=2, buckets=[]), index, "bfloat16")
+    assert e.value.field == "buckets"
 
 
 def test_every_setting_is_a_serve_flag_with_its_env_var_and_default():

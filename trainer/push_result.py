@@ -35,12 +35,14 @@ class ReplicaOutcome:
 
 @dataclass
 class PushResult:
-    """Timings (seconds): `begin_s` (a delta's diff included), `diff_s` (a
-    delta: every rank's diff and the plan), `gather_send_s`, `probe_s`,
-    `total_s` on the trainer; `server_check_s` (the slowest replica's prepare: receive
-    joined, CRCs checked) and `server_<key>` for each key of the commit's
-    timings (`server_commit_s`: drain + load + publish, ...), the slowest
-    replica's each."""
+    """Timings (seconds): `open_s` (the replicas' status, connect), `begin_s`
+    (from the start: open, a delta's diff, begin), `diff_s` (a delta: every
+    rank's diff and the plan), `gather_send_s`, `probe_s`, `total_s` on the
+    trainer; `server_check_s` (the slowest replica's check: receive joined,
+    CRCs checked) and `server_<key>` for each key of the commit's timings
+    (`server_commit_s`: drain + load + publish, and its steps: `drain_s`,
+    `pause_s`, `patch_s`, `load_s`, `finish_s`, `label_s`, `publish_s`,
+    `resume_s`), the slowest replica's each."""
 
     version: int
     nbytes: int
@@ -85,8 +87,10 @@ def server_timings(prepared: Sequence[PrepareResponse], outcomes: Sequence[Repli
     commits = [_renamed(o.timings) for o in outcomes]
     keys = dict.fromkeys(k for t in commits for k in t)
     out = {f"server_{k}": max(t.get(k, 0.0) for t in commits) for k in keys}
-    # The commit of a prepared push checks nothing; the prepare did.
-    out["server_check_s"] = max(_renamed(p.timings).get("check_s", 0.0) for p in prepared)
+    # The commit of a prepared push checks nothing; the prepare did. (One
+    # replica commits unprepared: its commit's check_s is the check.)
+    if prepared:
+        out["server_check_s"] = max(_renamed(p.timings).get("check_s", 0.0) for p in prepared)
     return out
 
 

@@ -192,7 +192,8 @@ class WeightPusher:
                                       tolerance, self.config.device, floor)
             if tolerance is None:  # the next push's floor; the same on every rank
                 self._probe_floor = result.probe.mean_abs_dlogp
-        result.timings.update(begin_s=t_begun - t0, gather_send_s=t_sent - t_begun,
+        result.timings.update(open_s=t_opened - t0, begin_s=t_begun - t0,
+                              gather_send_s=t_sent - t_begun,
                               probe_s=time.perf_counter() - t_committed,
                               total_s=time.perf_counter() - t0)
         return result
@@ -308,10 +309,14 @@ class WeightPusher:
             raise from_kind(kind, message)
         timeout_s = self._serving.commit_timeout_s
         macs = self.transport.bucket_macs
-        prepared = two_phase.prepare(begun.push_ids, checksums, timeout_s,
-                                     self._serving.versions,
-                                     macs.tags if macs is not None else None)
-        committed, outcomes = two_phase.commit(begun.push_ids, timeout_s)
+        tags = macs.tags if macs is not None else None
+        if len(begun.push_ids) == 1:  # one replica: check and commit in one call
+            prepared = []
+            committed, outcomes = two_phase.commit(begun.push_ids, timeout_s, checksums, tags)
+        else:
+            prepared = two_phase.prepare(begun.push_ids, checksums, timeout_s,
+                                         self._serving.versions, tags)
+            committed, outcomes = two_phase.commit(begun.push_ids, timeout_s)
         return PushResult.committed(begun.buckets, prepared, committed, outcomes, restarted)
 
     def close(self) -> None:

@@ -214,7 +214,10 @@ class BeginRequest(StrictModel):
         "data plane.")
     commit_policy: CommitPolicy | None = Field(
         None, description="In-flight requests at this push's commit; default: the server's.")
-    buckets: list[BucketManifest] = Field(min_length=1)
+    buckets: list[BucketManifest] = Field(
+        description="The buckets, in order. Empty only in a delta push (`delta_base`) of "
+        "weights that did not change since that base: nothing moves, and the commit "
+        "publishes the weights this replica holds as `version` without loading them.")
     delta_base: Int | None = Field(
         None, json_schema_extra=not_null,
         description="A delta push: every slot carries a `patch` against this version, which "
@@ -231,6 +234,11 @@ class BeginRequest(StrictModel):
         """LoRA factors over the full weights this replica holds: no base
         weight moves, and no running request changes version."""
         return self.adapter is not None and not self.adapter.with_base
+
+    @property
+    def unchanged(self) -> bool:
+        """A delta with nothing in it: the weights of `delta_base`, relabelled."""
+        return self.delta_base is not None and not self.buckets
 
 
 class BeginResponse(BaseModel):

@@ -34,10 +34,24 @@ from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.data_plane import DataPlane
-from rollout_sidecar.server.weights.ops import WorkerCallFailed, WorkerOp
+from rollout_sidecar.server.weights.ops import SideOp, WorkerCallFailed, WorkerOp
 from rollout_sidecar.server.weights.push_session import Push, PushFailed, PushSession, PushState
 
 log = logging.getLogger(__name__)
+
+
+class Laps:
+    """Seconds per step of one commit, for its response's timings: calling it
+    with a name ends that step (the time since the last call)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def __call__(self, step: str) -> None:
+        now = time.monotonic()
+        self.spent[step] = self.spent.get(step, 0.0) + now - self._last
+        self._last = now
 
 
 class TwoPhaseCommit:
@@ -52,6 +66,7 @@ class TwoPhaseCommit:
         # the base a delta push may name; None when the next must be dense.
         self.delta_base: int | None = None
         self.staged_bytes: int | None = None  # every worker's staging, once a push ended
+        self._laps = Laps()  # the commit under way's steps (CommitResponse.timings)
 
     @property
     def llm(self) -> Any:
@@ -84,6 +99,11 @@ class TwoPhaseCommit:
 
     async def _check(self, push: Push, checksums: list[int], macs: list[str] | None) -> None:
         """Every bucket arrived and matches its tag and CRC; nothing is loaded."""
+        if push.req.unchanged:  # no bucket was sent: nothing to check
+            if checksums or macs:
+                raise PushFailed("checksums: a push of unchanged weights carries no bucket, "
+                                 f"so no checksum or tag (got {len(checksums)})")
+            return
         try:
             # The receive may still be running: it may take what is left of
             # the push's deadline, and no more.
@@ -112,33 +132,40 @@ class TwoPhaseCommit:
             await self._check(push, checksums, macs)
         t_checked = time.monotonic()
         gate = self.engine.gate
+        lap = self._laps = Laps()
         # An adapter over the loaded weights changes nothing a running request
         # uses (it keeps its own version's adapter): no drain, no pause.
-        only = push.req.adapter_only
+        only, unchanged = push.req.adapter_only, push.req.unchanged
         async with gate.commit_window(push.policy, self.settings.commit_drain_s,
                                       drain=not only) as mode:
-            pause = not only or mode == "abort"
+            # Unchanged weights: a running request's next token is sampled by
+            # the same weights under either label, so `keep` needs no pause.
+            pause = (not only and not unchanged) or mode == "abort"
             # `resume` is `keep` by its other name: clearing the cache below makes
             # the engine re-prefill every running request on the new weights.
             mode = "keep" if mode == "resume" else mode
             # An adapter-only commit changes no running request's version.
             mode = "wait" if only and mode == "keep" else mode
+            lap("drain_s")
             try:
                 if pause:
                     # clear_cache: vLLM drops the prefix cache, and with it the KV
                     # of running requests (preempted, then recomputed on the new
                     # weights at resume): no token ever attends to a cache that
                     # other weights built (engine/version_spans.py).
-                    await self.llm.pause_generation(mode=mode, clear_cache=True)
-                await self._load(push)
+                    await self.llm.pause_generation(mode=mode, clear_cache=not unchanged)
+                    lap("pause_s")
+                await (self._relabel(push) if unchanged else self._load(push))
                 # Before the publish: requests already finished keep the old tag.
                 self.engine.freeze_finished()
                 await gate.publish(push.req.version, mode)
                 if mode == "keep":  # runs that would fall behind their bound start again
                     await self.engine.restart_lagging(push.req.version)
+                lap("publish_s")
             finally:
                 if pause:
                     await self.llm.resume_generation()
+                    lap("resume_s")
         self.plane.touch()  # a push keeps the trainer's connection lease alive
         t1 = time.monotonic()
         self.metrics.pushes.labels("committed").inc()
@@ -152,7 +179,7 @@ class TwoPhaseCommit:
             weight_version=push.req.version, push_id=push.push_id, commit_policy=mode,
             timings={"transfer_s": t0 - push.started, "check_s": t_checked - t0,
                      "commit_s": t1 - t_checked, "gate_hold_s": gate.last_hold_s,
-                     "total_s": t1 - push.started})
+                     "total_s": t1 - push.started, **lap.spent})
 
     async def _load(self, push: Push) -> None:
         gate, v, adapter = self.engine.gate, push.req.version, push.req.adapter
@@ -166,11 +193,13 @@ class TwoPhaseCommit:
         if push.req.delta_base is not None:
             try:  # into the staged copies; the model is untouched either way
                 await ops.send(self.llm, WorkerOp.PATCH)
+                self._laps("patch_s")
             except Exception as e:
                 raise PushFailed(f"push rejected at load, version {gate.version} still "
                                  f"serving: {e}") from e
         try:
             await ops.send(self.llm, WorkerOp.LOAD, **lora)
+            self._laps("load_s")
         except Exception as e:
             # Every worker refused before changing any parameter: only then may
             # the old version keep serving. One rank that loaded while another
@@ -194,7 +223,27 @@ class TwoPhaseCommit:
             table.published_adapter(new, lora["keep_ids"], with_base=not only)
         # Closes vLLM's session on every worker (it resets LoRA state there).
         self.held_staging(await ops.call(self.llm, WorkerOp.FINISH))
+        self._laps("finish_s")
         await self.llm.update_weight_version(str(v))
+        self._laps("label_s")
+
+    async def _relabel(self, push: Push) -> None:
+        """A delta with no change: every worker's staged copy, which the model
+        serves, becomes `version` too (each checks it holds the base). No
+        session, no load; the engine's label moves between two steps."""
+        gate, v = self.engine.gate, push.req.version
+        held, self.delta_base = self.delta_base, None
+        try:
+            await ops.call(self.llm, SideOp.RELABEL, base=push.req.delta_base, version=v)
+        except Exception as e:
+            # Nothing changed the model; a worker whose copy moved is dense next.
+            raise PushFailed(f"push of unchanged weights rejected, version {gate.version} "
+                             f"still serving: {e}") from e
+        self.delta_base = v if held == push.req.delta_base else None
+        self.engine.adapters.published_full(v)
+        self._laps("relabel_s")
+        await self.llm.update_weight_version(str(v))
+        self._laps("label_s")
 
     def held_staging(self, replies: list[dict]) -> None:
         """What every worker's staging holds once a push ended."""

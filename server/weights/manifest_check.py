@@ -69,6 +69,11 @@ def _patch_size(p: TensorSlot, f: str) -> int:
 def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
                    max_lora_rank: int = 0) -> None:
     """Raise `BadRequest` naming the first offending field."""
+    if not req.buckets:
+        if req.delta_base is None or req.adapter is not None:
+            raise BadRequest("buckets: empty; only a delta push (delta_base) of weights "
+                             "that did not change may carry no bucket", "buckets")
+        return  # unchanged: the staged copy of delta_base is the whole checkpoint
     seen: set[str] = set()
     chunks = _ChunkCoverage()
     factors = AdapterFactors(req.adapter, index, serve_dtype, max_lora_rank) \

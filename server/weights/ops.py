@@ -40,6 +40,7 @@ class SideOp(str, Enum):
     CONNECT = "connect"  # start joining the trainer's group, in a background thread
     STATE = "state"  # {"connection": ..., "receive": ...}
     DISCONNECT = "disconnect"  # drop the group (a joiner still blocked times out alone)
+    RELABEL = "relabel"  # an unchanged push: the staged copy of `base` is `version` too
 
 
 class WorkerCallFailed(RuntimeError):

@@ -187,12 +187,13 @@ class WeightService:
             if req.delta_base is None and not req.adapter_only:
                 self.commits.delta_base = None  # a dense receive overwrites the staged copy
             try:  # opens vLLM's update session on every worker (worker_calls.py)
-                await ops.send(self.llm, receiver(req.transport).opens_with,
-                               manifest=[b.model_dump() for b in req.buckets],
-                               version=req.version, delta_base=req.delta_base,
-                               adapter=req.adapter.model_dump() if req.adapter else None,
-                               shared_dir=str(self.shared_root.path) if self.shared_root
-                               else None)
+                if not req.unchanged:  # nothing will arrive: no session, no staging
+                    await ops.send(self.llm, receiver(req.transport).opens_with,
+                                   manifest=[b.model_dump() for b in req.buckets],
+                                   version=req.version, delta_base=req.delta_base,
+                                   adapter=req.adapter.model_dump() if req.adapter else None,
+                                   shared_dir=str(self.shared_root.path) if self.shared_root
+                                   else None)
             except Exception as e:
                 await self.commits.end_session()  # on the ranks where it opened
                 self.commits.delta_base = None  # the workers may disagree: start over dense

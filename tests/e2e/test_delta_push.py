@@ -92,6 +92,17 @@ def test_restart_takeover_and_failed_push_decide_the_base(pair, tmp_path):
     try:
         push()
         assert push().encoding == "delta"
+        # Nothing changed: no bucket moves and nothing loads; the replica
+        # serves what it holds as the new version (the probe checks it), and
+        # the next delta builds on that.
+        v += 1
+        results.append(pusher.push(model, version=v))
+        r = results[-1]
+        assert (r.encoding, r.delta_base, r.buckets, r.nbytes) == ("delta", v - 1, 0, 0), r
+        assert served() == v and r.changed == 0, r
+        assert "server_load_s" not in r.timings and "server_pause_s" not in r.timings, r
+        r = push()
+        assert (r.encoding, r.delta_base) == ("delta", v - 1) and r.changed > 0, r
         # A failed push (a NaN, refused on the trainer) leaves the base as it was.
         step()
         w = model.model.layers[0].mlp.up_proj.weight

@@ -1,9 +1,10 @@
 """The OpenAI routes (/v1/*) with the official `openai` client against a real
 server: vLLM's own serving layer behind our version gate and API token.
 
-One float32 server for the module, so logprobs from the /v1 routes and from
-/generate's scoring of the same tokens agree to float32 rounding. Tests run in
-file order: the push comes after the tests that read the checkpoint's weights.
+One float32 server (`fp32_server`, which test_peft_push.py, after this module,
+shares), so logprobs from the /v1 routes and from /generate's scoring of the
+same tokens agree to float32 rounding. Tests run in file order: the push comes
+after the tests that read the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import ServerSpec, serves, stop_server
 from tests.polling import metric, until
 
 # Same tokens, same weights, float32: prefill (scoring) and decode agree to rounding.
@@ -29,15 +29,9 @@ LOGPROB_TOL = 1e-5
 ASCII = {"allowed_token_ids": list(range(97, 123)) + [257]}
 
 
-SERVER = ServerSpec("openai", dtype="float32")
-
-
 @pytest.fixture(scope="module")
-@serves(SERVER)
-def srv(server_plan):
-    s = server_plan.take(SERVER)
-    yield s
-    stop_server(s)
+def srv(fp32_server):
+    return fp32_server  # shared with the other float32 modules (tests/conftest.py)
 
 
 def oai(server, api_key=None) -> openai.OpenAI:

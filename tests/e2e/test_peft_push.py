@@ -14,22 +14,16 @@ from pathlib import Path
 import pytest
 
 from rollout_sidecar.trainer import WeightPusher
-from tests.conftest import ServerSpec, run_torchrun, serves, stop_server
+from tests.conftest import run_torchrun
 from tests.e2e.peft_push_worker import build_peft, gaps, scored_sequences, served
 
 WORKER = Path(__file__).with_name("peft_push_worker.py")
 GAP_TOL = 1e-5  # mean |dlogp|, fp32 served vs fp32 transformers (the bound)
 
 
-SERVER = ServerSpec("peft", dtype="float32")
-
-
 @pytest.fixture(scope="module")
-@serves(SERVER)
-def srv(server_plan):
-    s = server_plan.take(SERVER)
-    yield s
-    stop_server(s)
+def srv(fp32_server):
+    return fp32_server  # shared with the other float32 modules (tests/conftest.py)
 
 
 def assert_merged_served(r: dict, version: int) -> None:

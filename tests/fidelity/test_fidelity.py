@@ -28,9 +28,10 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("fidelity_worker.py")
 FP32_TOL = 1e-4
 FSDP1_FAMILIES = {"llama-tied-gqa", "qwen2-tied-bias", "glm4-moe"}
-# bf16: the families whose push path differs most (tied heads, biases, fused
-# checkpoint tensors, MoE prepack); the other families share their code paths.
-BF16_FAMILIES = ["llama-tied-gqa", "qwen2-tied-bias", "phi3-fused", "qwen3-moe"]
+# bf16: the families whose bf16 serving differs most (a tied head's CPU
+# prepack, fused checkpoint tensors, MoE prepack); biases and the other
+# families' layouts are proven exact in fp32, where any error shows.
+BF16_FAMILIES = ["llama-tied-gqa", "phi3-fused", "qwen3-moe"]
 # The floor ratio is asserted for dense models only. In a top-k MoE the bf16
 # floor itself moves with the weights (near-tie routing flips): measured 1.46x
 # for Qwen3-MoE after a step, while pushing its unchanged weights is bit-exact

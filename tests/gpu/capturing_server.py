@@ -65,8 +65,10 @@ class CapturingServer:
         assert [zlib.crc32(self.buckets[i]) for i in range(len(checksums))] == checksums
         return PrepareResponse(push_id=push_id, deadline_s=60, timings={})
 
-    def commit(self, push_id: str, checksums: list[int] | None, timeout_s: float
-               ) -> CommitResponse:
+    def commit(self, push_id: str, checksums: list[int] | None, timeout_s: float,
+               macs: list[str] | None = None) -> CommitResponse:
+        if checksums is not None:  # both phases in one call (one replica)
+            self.prepare(push_id, checksums, timeout_s, macs)
         self.status_.weight_version += 1
         return CommitResponse(weight_version=self.status_.weight_version, push_id=push_id,
                               commit_policy="wait", timings={})

@@ -109,12 +109,12 @@ def _racing(server, race):
     admin_client = pusher.replicas.admins[0]
     real_commit, seen = admin_client.commit, {}
 
-    def commit(push_id, checksums, timeout_s):
+    def commit(push_id, checksums, timeout_s, macs=None):
         t = threading.Thread(target=lambda: seen.__setitem__(
             "race", race(admin_client, real_commit, push_id, checksums)))
         t.start()
         try:
-            seen["commit"] = real_commit(push_id, checksums, timeout_s)
+            seen["commit"] = real_commit(push_id, checksums, timeout_s, macs)
             return seen["commit"]
         except WeightPushError as e:
             seen["commit_error"] = str(e)

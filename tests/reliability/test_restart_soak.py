@@ -2,8 +2,8 @@
 wait; test_soak.py covers abort and keep): two float32 replicas (the
 package's `reliable` server and one more), 32 rollout clients (each its own
 `GenerationClient` over both URLs) and one long-lived `WeightPusher` making
-30 pushes, while replica B is SIGKILLed and restarted twice (60 and 3 with
-ROLLOUT_SIDECAR_FULL_SOAK=1).
+16 pushes, while replica B is SIGKILLed and restarted once (60 pushes and 3
+restarts with ROLLOUT_SIDECAR_FULL_SOAK=1).
 
 What a user running a fleet needs from it:
 - the pusher carries on by itself: no new pusher, no manual reconnect; a push
@@ -34,12 +34,15 @@ from tests.reliability.conftest import TOKENS, model_of, served_version
 from tests.reliability.oracle import Sample, VersionedWeights, classify
 
 pytestmark = pytest.mark.slow
-# Sized for CI: two restarts show the pusher recovering again and again. The
-# size the issue asked for (60 pushes, 3 restarts, kills after 12, 28 and 44
-# committed pushes): ROLLOUT_SIDECAR_FULL_SOAK=1.
+# Sized for CI: one restart shows every property (the failed pushes while B
+# is down, the first push once it is back, the clients routing around it, the
+# restarted replica's version 0); each restart costs a server start under load
+# (about a minute and a half of the CI's two cores), and more of them show the
+# same again. The size the issue asked for (60 pushes, 3 restarts, kills after
+# 12, 28 and 44 committed pushes): ROLLOUT_SIDECAR_FULL_SOAK=1.
 FULL = os.environ.get("ROLLOUT_SIDECAR_FULL_SOAK") == "1"
-PUSHES, CLIENTS, RESTARTS = (60, 32, 3) if FULL else (30, 32, 2)
-KILL_AFTER = (12, 28, 44) if FULL else (8, 18)  # committed pushes after which B is killed
+PUSHES, CLIENTS, RESTARTS = (60, 32, 3) if FULL else (16, 32, 1)
+KILL_AFTER = (12, 28, 44) if FULL else (6,)  # committed pushes after which B is killed
 STEP_S = 0.2  # the training step between pushes
 # Each client's think time between requests: about 30 requests a second in
 # all keep several in flight at every commit, kill and restart, while the

@@ -190,13 +190,15 @@ class WeightAdminClient:
             "push_id": push_id, "checksums": checksums,
             **({"macs": macs} if macs is not None else {})}))
 
-    def commit(self, push_id: str, checksums: list[int] | None, timeout_s: float
-               ) -> CommitResponse:
-        """Phase 2 (or both phases, given `checksums`): waits for the server's
-        (check +) drain + load; `timeout_s` covers them."""
+    def commit(self, push_id: str, checksums: list[int] | None, timeout_s: float,
+               macs: list[str] | None = None) -> CommitResponse:
+        """Phase 2 (or both phases, given `checksums`, and `macs` with a
+        secret): waits for the server's (check +) drain + load; `timeout_s`
+        covers them."""
         return CommitResponse.model_validate(self._call("POST", "/weights/commit", "commit",
                                                         timeout_s, json={
-            "push_id": push_id, "checksums": checksums}))
+            "push_id": push_id, "checksums": checksums,
+            **({"macs": macs} if macs is not None else {})}))
 
     def abort(self, push_id: str, reason: str) -> LastPush:
         return LastPush.model_validate(self._call("POST", "/weights/abort", "abort", json={

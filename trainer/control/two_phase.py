@@ -93,11 +93,14 @@ class TwoPhaseCommit:
                 + "; ".join(_error(rs.urls[i], prepared[i]) for i in bad))
         return prepared  # type: ignore[return-value]
 
-    def commit(self, push_ids: Sequence[str], timeout_s: float
+    def commit(self, push_ids: Sequence[str], timeout_s: float,
+               checksums: list[int] | None = None, macs: list[str] | None = None
                ) -> tuple[list[CommitResponse], list[ReplicaOutcome]]:
-        """Phase 2 on every replica: load and serve. Raises unless all did."""
+        """Phase 2 on every replica: load and serve. Raises unless all did.
+        With `checksums` (one replica: nothing to hold the others to) both
+        phases go in one call, one round trip fewer."""
         rs = self.replicas
-        committed = rs.each(lambda a, i: a.commit(push_ids[i], None, timeout_s))
+        committed = rs.each(lambda a, i: a.commit(push_ids[i], checksums, timeout_s, macs))
         outcomes = [ReplicaOutcome(u, "failed", None, _reason(r)) if isinstance(r, Exception)
                     else ReplicaOutcome(u, "committed", r.weight_version, None, r.timings)
                     for u, r in zip(rs.urls, committed, strict=True)]

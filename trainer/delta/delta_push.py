@@ -113,8 +113,10 @@ class DeltaPush:
         why = worth_it(plans, self.dense_above, bucket_bytes)
         if why is not None:
             return None, why
-        return DeltaPlan(diff, plans, plan_patch_buckets(plans, bucket_bytes),
-                         opening.delta_base), None
+        # Nothing changed: no bucket at all; the servers relabel what they hold.
+        buckets = plan_patch_buckets(plans, bucket_bytes) if any(p.changed for p in plans) \
+            else []
+        return DeltaPlan(diff, plans, buckets, opening.delta_base), None
 
     def committed(self, model: nn.Module, opening: Opening, version: int,
                   delta: DeltaPlan | None = None) -> None:

@@ -53,6 +53,8 @@ class BucketSender:
                  transport: Transport, push_id: Any) -> tuple[list[int], Error | None]:
         """Send every bucket; returns the CRCs and the first error. `push_id`
         goes to `transport.send` as is (HTTP: each replica's id of the push)."""
+        if not buckets:  # an unchanged delta: nothing to send
+            return [], None
         buffers = self._buffers_for(max(b.nbytes for b in buckets), transport.buffer_device)
         in_flight: list[Pending | None] = [None, None]
         checksums: list[int] = []

@@ -100,6 +100,11 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             self.init_transfer_engine(self.parse_init_info(payload))
         elif op is SideOp.DISCONNECT:
             self.shutdown()
+        elif op is SideOp.RELABEL:
+            if self._push is not None:
+                raise RuntimeError("relabel while a push is staged")
+            self.resident.require(payload["base"])
+            self.resident.version = payload["version"]
         return self._state()
 
     def _state(self) -> dict:
