@@ -188,12 +188,12 @@ def per_param_push(url: str, token: str, model: torch.nn.Module, version: int) -
     send = pusher.transport.send
     calls = 0
 
-    def send_with_request(index: int, buf: torch.Tensor, push_id: str,
+    def send_with_request(index: int, buf: torch.Tensor, push_ids: list[str],
                           checksum: int | None) -> Any:
         nonlocal calls
         calls += 1
         pusher.replicas.admins[0].status()  # the per-parameter HTTP round trip
-        return send(index, buf, push_id, checksum)
+        return send(index, buf, push_ids, checksum)
 
     pusher.transport.send = send_with_request
     t0 = time.perf_counter()

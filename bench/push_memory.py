@@ -61,7 +61,8 @@ class DropTransport:
     checksum_in_request = False
     bucket_macs = None
 
-    def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int | None) -> Any:
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
+             ) -> Any:
         return self
 
     def wait(self) -> None:
@@ -88,7 +89,7 @@ def child(args: argparse.Namespace, source: str, split: bool, out: Any) -> None:
     with PeakRss() as m:
         t0 = time.perf_counter()
         buckets = plan_buckets(param_plan(model), WIRE, int(args.bucket_mb * MiB), split=split)
-        _, err = sender.send_all(buckets, drawn(model, source), DropTransport(), "bench")
+        _, err = sender.send_all(buckets, drawn(model, source), DropTransport(), ["bench"])
         elapsed = time.perf_counter() - t0
     assert err is None, err
     out.send(dict(buckets=len(buckets), largest=max(b.nbytes for b in buckets),

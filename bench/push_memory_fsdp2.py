@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             buckets = plan_buckets(plan, WIRE, bucket)
             sender = BucketSender()
-            _, err = sender.send_all(buckets, gathers, DropTransport(), "bench")
+            _, err = sender.send_all(buckets, gathers, DropTransport(), ["bench"])
             assert err is None, err
         for _ in gathers:
             pass

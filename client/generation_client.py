@@ -146,7 +146,7 @@ class _Replicated:
         self.retry = retry or RetryPolicy()
         # Each request sets its own read timeout (the stall bound); see request_plans.py.
         self.timeouts = Timeouts(timeout, stall_timeout_s)
-        self._liveness = client_liveness(liveness, self, transport, self._loop_probe())
+        self._liveness = client_liveness(liveness, self, transport, self._loop_ping())
         self._pool = ReplicaPool(url or None, refresh_s=refresh_s,  # "": the default
                                  liveness=self._liveness)
         if api_token is None:
@@ -159,10 +159,10 @@ class _Replicated:
     def replicas(self) -> list[ReplicaState]:
         """Each replica's URL, requests outstanding from this client, last seen
         weight_version, seconds it is still skipped for, last error, and
-        whether the process's liveness probe finds it frozen."""
+        whether the process's liveness ping finds it frozen."""
         return self._pool.snapshot()
 
-    def _loop_probe(self) -> Callable[[str, float], None] | None:
+    def _loop_ping(self) -> Callable[[str, float], None] | None:
         return None
 
     def _release_liveness(self) -> None:
@@ -185,7 +185,7 @@ class GenerationClient(_Replicated):
     URL) asks its GET /health every 2 s, bounded by 2 s; unanswered twice, the
     replica is frozen for every client: skipped until it answers again, and
     each request waiting there is retried on another replica, so a frozen
-    replica is left within about 7 s (see liveness.py). None: no shared probe.
+    replica is left within about 7 s (see liveness.py). None: no shared ping.
     `stall_timeout_s`: besides, every this long a request has not answered,
     its replica must answer GET /health (within 5 s); one that does not is
     frozen: the request goes to another replica, and this client skips it
@@ -235,12 +235,12 @@ class GenerationClient(_Replicated):
         if watch is None or (watch.every_s is None and shared is None):
             return call()
         try:
-            return run_watched(call, lambda: self._probe(watch), watch.every_s, shared)
+            return run_watched(call, lambda: self._ping(watch), watch.every_s, shared)
         except Silent as e:
             raise ReplicaFrozen.after(watch, e) from e.cause
 
-    def _probe(self, watch: Watch) -> None:
-        self._http.get(watch.probe_url, timeout=watch.probe_s)
+    def _ping(self, watch: Watch) -> None:
+        self._http.get(watch.ping_url, timeout=watch.ping_s)
 
     generate = _blocking(_api.generate)
     score = _blocking(_api.score)
@@ -272,24 +272,24 @@ class AsyncGenerationClient(_Replicated):
                          liveness, transport)
         self._http = httpx.AsyncClient(transport=transport, **self._http_kwargs)
 
-    def _loop_probe(self) -> Callable[[str, float], None]:
-        """A GET through this client's own transport, from the prober's
+    def _loop_ping(self) -> Callable[[str, float], None]:
+        """A GET through this client's own transport, from the pinger's
         thread: sent on the loop of the client's last call (weakly held)."""
         me = weakref.ref(self)
 
-        def probe(url: str, timeout_s: float) -> None:
+        def ping(url: str, timeout_s: float) -> None:
             client = me()
             loop = client._loop if client is not None else None
             if client is None or loop is None or loop.is_closed():
-                raise RuntimeError("no event loop to probe from yet")
+                raise RuntimeError("no event loop to ping from yet")
             sent = asyncio.run_coroutine_threadsafe(client._http.get(url, timeout=timeout_s),
                                                     loop)
             try:
                 sent.result(timeout_s + 5)  # its own timeout ends it first
             except concurrent.futures.TimeoutError:
                 sent.cancel()
-                raise RuntimeError("event loop too busy to probe") from None
-        return probe
+                raise RuntimeError("event loop too busy to ping") from None
+        return ping
 
     async def _run(self, plan: Plan[T]) -> T:
         self._loop = asyncio.get_running_loop()
@@ -321,13 +321,13 @@ class AsyncGenerationClient(_Replicated):
         if watch is None or (watch.every_s is None and shared is None):
             return await call
         try:
-            return await run_watched_async(call, lambda: self._probe(watch), watch.every_s,
+            return await run_watched_async(call, lambda: self._ping(watch), watch.every_s,
                                            shared)
         except Silent as e:
             raise ReplicaFrozen.after(watch, e) from e.cause
 
-    async def _probe(self, watch: Watch) -> None:
-        await self._http.get(watch.probe_url, timeout=watch.probe_s)
+    async def _ping(self, watch: Watch) -> None:
+        await self._http.get(watch.ping_url, timeout=watch.ping_s)
 
     generate = _awaited(_api.generate)
     score = _awaited(_api.score)

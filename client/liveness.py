@@ -1,12 +1,12 @@
 """One replica's liveness verdict, shared by every client in the process.
 
-Why a probe, and why shared. A frozen replica (SIGSTOPped, a hung node)
+Why a ping, and why shared. A frozen replica (SIGSTOPped, a hung node)
 accepts connections and never answers, and a non-streamed /generate sends no
 byte until it is done, so silence on a request cannot tell frozen from busy
 (see stall_watch.py). Each client used to find a frozen replica out alone,
 one request at a time, after `stall_timeout_s` (30 s): a rollout fleet of
 many processes, each with many clients, kept sending to it for a minute. Here
-one prober thread per replica URL per process asks GET /health (answered by
+one pinger thread per replica URL per process asks GET /health (answered by
 the server's HTTP process alone, never queued behind generation; it needs no
 token) every `every_s`, bounded by `timeout_s`; `misses` unanswered in a row
 make the replica frozen for every client of the process at once: none picks
@@ -17,13 +17,13 @@ Why not hedging (a second copy after a multiple of recent latency): latency
 varies a hundredfold with prompt and output length, so a hedge would send
 long generations again, starting them over (maybe on newer weights) and
 doubling the load of a replica that is merely slow, while a frozen replica
-that gets no request would never be noticed. A liveness probe separates
+that gets no request would never be noticed. A liveness ping separates
 frozen from busy whatever a generation's length: a busy replica answers it
 and keeps every request, however long.
 
-Cost: a replica is probed only while a request to it has waited `after_s`
+Cost: a replica is pinged only while a request to it has waited `after_s`
 (or while it is frozen, to see it come back), so short requests and idle
-clients send no probe at all, and a busy process sends one small GET per
+clients send no ping at all, and a busy process sends one small GET per
 replica per `every_s`, whatever its number of clients.
 """
 
@@ -41,10 +41,10 @@ import httpx
 
 log = logging.getLogger(__name__)
 
-# probe(url, timeout_s): returns if the replica answered anything; raises an
+# ping(url, timeout_s): returns if the replica answered anything; raises an
 # httpx.TransportError if it did not (a refused connection, or any other
 # exception: no verdict; see `refused`).
-Probe = Callable[[str, float], None]
+Ping = Callable[[str, float], None]
 
 
 def refused(error: BaseException) -> bool:
@@ -67,7 +67,7 @@ def refused(error: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class LivenessPolicy:
-    """How the shared prober decides a replica is frozen.
+    """How the shared pinger decides a replica is frozen.
 
     With the defaults a replica frozen under a waiting request is given up
     within about 7 s (`after_s`, up to `every_s` to the next tick, then
@@ -75,14 +75,14 @@ class LivenessPolicy:
     false verdict costs the replica's in-flight generations."""
 
     every_s: float = 2.0  # at most one GET /health per replica this often
-    timeout_s: float = 2.0  # each probe's bound
+    timeout_s: float = 2.0  # each ping's bound
     misses: int = 2  # unanswered in a row: frozen
-    after_s: float = 1.0  # probe only once a request to it has waited this long
+    after_s: float = 1.0  # ping only once a request to it has waited this long
 
 
 class Waiter:
     """A request waiting on a replica. `wake()` is called once, from the
-    prober's thread, if the replica is found frozen; `cause` then says why."""
+    pinger's thread, if the replica is found frozen; `cause` then says why."""
 
     def __init__(self, entry: ReplicaLiveness, wake: Callable[[], None]) -> None:
         self.started = time.monotonic()
@@ -98,22 +98,22 @@ class Waiter:
 
 class ReplicaLiveness:
     """One replica's verdict (`frozen`: why, or None while it answers) and
-    the daemon thread that probes it. Made and stopped by the registry
+    the daemon thread that pings it. Made and stopped by the registry
     (liveness_registry.py) as clients hold and release it."""
 
-    def __init__(self, url: str, probe: Probe, policy: LivenessPolicy,
+    def __init__(self, url: str, ping: Ping, policy: LivenessPolicy,
                  on_stop: Callable[[], None] | None = None) -> None:
         self.url = url
         self.policy = policy
         self.frozen: str | None = None
-        self.probes = 0  # sent so far (tests, logs)
-        self._probe = probe
+        self.pings = 0  # sent so far (tests, logs)
+        self._ping = ping
         self._on_stop = on_stop
         self._lock = threading.Lock()
         self._waiters: set[Waiter] = set()
         self._misses = 0
         self._last_error: httpx.TransportError | None = None
-        self._last_probe = float("-inf")
+        self._last_ping = float("-inf")
         self._stopped = False
         self._kick = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -136,17 +136,17 @@ class ReplicaLiveness:
         if frozen is not None:
             _wake(waiter)
         elif first:
-            self._kick.set()  # the prober may be idling: schedule its next probe
+            self._kick.set()  # the pinger may be idling: schedule its next ping
         return waiter
 
     def _forget(self, waiter: Waiter) -> None:
         with self._lock:
             self._waiters.discard(waiter)
 
-    # ------------------------------------------------------------- prober
+    # ------------------------------------------------------------- pinger
 
     def stop(self) -> None:
-        """No client holds it any more: the thread ends after its current probe."""
+        """No client holds it any more: the thread ends after its current ping."""
         self._stopped = True
         self._kick.set()
 
@@ -165,29 +165,29 @@ class ReplicaLiveness:
                     self._on_stop()
 
     def _until_due(self, now: float) -> float:
-        """Seconds until the next probe is due; `every_s` (a re-check) when none is."""
+        """Seconds until the next ping is due; `every_s` (a re-check) when none is."""
         with self._lock:
             if self.frozen is not None:
-                due = self._last_probe + self.policy.every_s
+                due = self._last_ping + self.policy.every_s
             elif self._waiters:
                 oldest = min(w.started for w in self._waiters)
-                due = max(self._last_probe + self.policy.every_s, oldest + self.policy.after_s)
+                due = max(self._last_ping + self.policy.every_s, oldest + self.policy.after_s)
             else:
                 return self.policy.every_s
         return max(0.0, due - now)
 
     def _check(self) -> None:
-        self._last_probe = time.monotonic()
-        self.probes += 1
+        self._last_ping = time.monotonic()
+        self.pings += 1
         try:
-            self._probe(self.url + "/health", self.policy.timeout_s)
+            self._ping(self.url + "/health", self.policy.timeout_s)
         except httpx.TransportError as e:
             if refused(e):  # draining or dead, not frozen: its requests end by themselves
-                log.debug("liveness probe of %s: connection refused (no verdict)", self.url)
+                log.debug("liveness ping of %s: connection refused (no verdict)", self.url)
             else:
                 self._missed(e)
         except Exception as e:  # no answer and no miss: e.g. a closed event loop
-            log.debug("liveness probe of %s could not run: %r", self.url, e)
+            log.debug("liveness ping of %s could not run: %r", self.url, e)
         else:
             self._answered()
 

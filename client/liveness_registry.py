@@ -2,20 +2,20 @@
 
 Why process-wide: a rollout process holds many clients over the same
 replicas (one per thread, per environment, per library). Keyed by replica URL,
-N clients share one prober thread per URL and one verdict, so the first
-client to notice a frozen replica has noticed it for all, and the probe load
+N clients share one pinger thread per URL and one verdict, so the first
+client to notice a frozen replica has noticed it for all, and the ping load
 on a replica does not grow with the number of clients (see liveness.py).
 
 Entries are counted: each client's `ClientLiveness` holds the URLs of its pool
 (again after a DNS refresh) and releases them on close, or when the client is
 garbage-collected unclosed (a weakref finalizer); the last release stops the
-prober.
+pinger.
 
-The key is the URL, the policy and how a probe reaches the replica: clients
+The key is the URL, the policy and how a ping reaches the replica: clients
 on httpx's default transport share one entry per URL; a client given its own
 sync transport shares only with clients given the same transport object (a
 URL may lead elsewhere through it); an async client given its own async
-transport probes through its own event loop, so its entries are its own.
+transport pings through its own event loop, so its entries are its own.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from rollout_sidecar.client.liveness import LivenessPolicy, Probe, ReplicaLiveness
+from rollout_sidecar.client.liveness import LivenessPolicy, Ping, ReplicaLiveness
 
 Key = tuple[str, LivenessPolicy, Hashable]
 
@@ -39,14 +39,14 @@ class LivenessRegistry:
         self._lock = threading.Lock()
         self._entries: dict[Key, tuple[ReplicaLiveness, int]] = {}
 
-    def hold(self, key: Key, probe: Probe | None,
+    def hold(self, key: Key, ping: Ping | None,
              transport: httpx.BaseTransport | None) -> ReplicaLiveness:
-        """The entry for `key`, made (with `probe`, or a GET through
+        """The entry for `key`, made (with `ping`, or a GET through
         `transport`, or httpx's default one) if nobody holds it yet."""
         with self._lock:
             entry, holders = self._entries.get(key, (None, 0))
             if entry is None:
-                entry = _make(key[0], key[1], probe, transport)
+                entry = _make(key[0], key[1], ping, transport)
             self._entries[key] = (entry, holders + 1)
             return entry
 
@@ -67,16 +67,16 @@ class LivenessRegistry:
             return [e for e, _ in self._entries.values()]
 
 
-def _make(url: str, policy: LivenessPolicy, probe: Probe | None,
+def _make(url: str, policy: LivenessPolicy, ping: Ping | None,
           transport: httpx.BaseTransport | None) -> ReplicaLiveness:
-    if probe is not None:
-        return ReplicaLiveness(url, probe, policy)
+    if ping is not None:
+        return ReplicaLiveness(url, ping, policy)
     # /health is open (no token). A transport given by a client stays open:
     # closing our httpx.Client would close it under that client.
     http = httpx.Client(transport=transport)
 
-    def get(probe_url: str, timeout_s: float) -> None:
-        http.get(probe_url, timeout=timeout_s)
+    def get(ping_url: str, timeout_s: float) -> None:
+        http.get(ping_url, timeout=timeout_s)
     return ReplicaLiveness(url, get, policy, on_stop=http.close if transport is None else None)
 
 
@@ -86,18 +86,18 @@ REGISTRY = LivenessRegistry()
 class ClientLiveness:
     """One client's hold on the shared verdicts of its pool's replicas.
 
-    `transport`: the client's sync transport (None: httpx's default). `probe`:
+    `transport`: the client's sync transport (None: httpx's default). `ping`:
     for a client whose requests only its own event loop can send (an async
-    client with its own transport), the probe to use; not shared. The pool
+    client with its own transport), the ping to use; not shared. The pool
     calls `track` with its URLs and asks `frozen(url)` at every pick."""
 
     def __init__(self, policy: LivenessPolicy, transport: httpx.BaseTransport | None = None,
-                 probe: Probe | None = None, registry: LivenessRegistry = REGISTRY) -> None:
+                 ping: Ping | None = None, registry: LivenessRegistry = REGISTRY) -> None:
         self.policy = policy
         self._transport = transport
-        self._probe = probe
+        self._ping = ping
         self._registry = registry
-        self._how: Hashable = id(self) if probe is not None else transport
+        self._how: Hashable = id(self) if ping is not None else transport
         self._lock = threading.Lock()
         self._held: dict[str, tuple[Key, ReplicaLiveness]] = {}  # replaced whole, read freely
         self._closed = False
@@ -117,7 +117,7 @@ class ClientLiveness:
             for url in urls:
                 if url not in held:
                     key: Key = (url, self.policy, self._how)
-                    held[url] = (key, self._registry.hold(key, self._probe, self._transport))
+                    held[url] = (key, self._registry.hold(key, self._ping, self._transport))
             gone = [held.pop(u)[0] for u in list(held) if u not in urls]
             self._held = held
         for key in gone:
@@ -142,13 +142,13 @@ class ClientLiveness:
 
 def client_liveness(policy: LivenessPolicy | None, owner: Any,
                     transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None,
-                    loop_probe: Probe | None = None) -> ClientLiveness | None:
+                    loop_ping: Ping | None = None) -> ClientLiveness | None:
     """The view a client holds: None without a policy (no shared liveness).
     An async client's own transport can only be driven from its event loop:
-    given `loop_probe`, such a client probes through it, in entries of its own."""
+    given `loop_ping`, such a client pings through it, in entries of its own."""
     if policy is None:
         return None
-    if transport is not None and loop_probe is not None:
-        return ClientLiveness(policy, probe=loop_probe).bind(owner)
+    if transport is not None and loop_ping is not None:
+        return ClientLiveness(policy, ping=loop_ping).bind(owner)
     sync = transport if isinstance(transport, httpx.BaseTransport) else None
     return ClientLiveness(policy, transport=sync).bind(owner)

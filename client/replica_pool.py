@@ -4,13 +4,13 @@ One rule, applied per request under a lock (the sync client is shared by
 threads; the async one by tasks of one loop, for which the lock is free):
 
 1. only replicas that are up (not marked down by a failure, see `mark_down`,
-   nor found frozen by the process-wide liveness probe, see liveness.py)
+   nor found frozen by the process-wide liveness ping, see liveness.py)
    and not excluded for this request;
 2. with `min_weight_version`: only those known to hold it; if none is known
    to, those with the highest known version (a push usually reaches every
    replica, and the server waits, bounded, for a version it is about to get
    and refuses at once one that no push in flight brings). Before such a
-   request the plan asks the replicas of unknown version (`claim_version_probe`),
+   request the plan asks the replicas of unknown version (`claim_version_check`),
    so a fresh client does not first try a replica restarted at v0;
 3. with a `session_key`: its rendezvous-hash replica, if rule 1-2 allow it,
    so the turns of one episode reuse that replica's prefix cache;
@@ -36,8 +36,8 @@ from rollout_sidecar.client.protocol.endpoints import DNS_PREFIX, expand_urls, u
 # requests find the pool down at once, one lookup serves them all.
 MIN_FORCED_REFRESH_S = 1.0
 # A replica's version is asked (GET /info) at most this often: concurrent
-# requests of a fresh client share one probe per replica.
-VERSION_PROBE_EVERY_S = 5.0
+# requests of a fresh client share one ping per replica.
+VERSION_CHECK_EVERY_S = 5.0
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Replica:
     weight_version: int | None = None  # last seen; None before any answer
     down_until: float = 0.0  # on the pool's clock
     last_error: str | None = None
-    version_probed_at: float = float("-inf")
+    version_checked_at: float = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class ReplicaState:
     weight_version: int | None
     down_for_s: float  # 0 when up
     last_error: str | None
-    frozen: bool = False  # the process's liveness probe gets no answer: skipped until it does
+    frozen: bool = False  # the process's liveness ping gets no answer: skipped until it does
 
 
 class ReplicaPool:
@@ -158,25 +158,25 @@ class ReplicaPool:
             if (r := self._replicas.get(url)) is not None:
                 r.down_until = 0.0
 
-    def claim_version_probe(self, min_version: int) -> list[str]:
+    def claim_version_check(self, min_version: int) -> list[str]:
         """The replicas whose version a request for `min_version` should ask
         first: none if an up replica is known to hold it, else every up one
         whose version is unknown (a fresh client, or one that refused) and
-        not asked within `VERSION_PROBE_EVERY_S`. Claiming marks them asked."""
+        not asked within `VERSION_CHECK_EVERY_S`. Claiming marks them asked."""
         with self._lock:
             now = self.clock()
             up = [r for r in self._replicas.values() if self._up(r, now)]
             if any(r.weight_version is not None and r.weight_version >= min_version for r in up):
                 return []
             ask = [r for r in up if r.weight_version is None
-                   and now - r.version_probed_at >= VERSION_PROBE_EVERY_S]
+                   and now - r.version_checked_at >= VERSION_CHECK_EVERY_S]
             for r in ask:
-                r.version_probed_at = now
+                r.version_checked_at = now
             return [r.url for r in ask]
 
     def wait_s(self, exclude: frozenset[str] | set[str] = frozenset()) -> float:
         """Seconds until the first replica not in `exclude` is up again (a
-        frozen one: until it is probed again)."""
+        frozen one: until it is pinged again)."""
         frozen = self.frozen_urls()
         recheck = self.liveness.policy.every_s if self.liveness is not None else 0.0
         with self._lock:
@@ -186,7 +186,7 @@ class ReplicaPool:
             return max(0.0, min(ups, default=now) - now)
 
     def frozen_urls(self) -> dict[str, str]:
-        """The replicas the process's liveness probe finds frozen, and why."""
+        """The replicas the process's liveness ping finds frozen, and why."""
         if self.liveness is None:
             return {}
         return {u: why for u in self.urls() if (why := self.liveness.frozen(u)) is not None}

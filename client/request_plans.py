@@ -13,7 +13,7 @@ with one replica, or all down, the plan waits for the first to come back:
   502/503/504: the replica is skipped for what its `Retry-After` says (a
   draining or not-yet-ready server sets it), else an exponential backoff with
   full jitter;
-- a frozen replica: the process-wide prober (liveness.py) asks GET /health of
+- a frozen replica: the process-wide pinger (liveness.py) asks GET /health of
   every replica a request has waited on for a second, every 2 s; unanswered
   twice, the replica is frozen for every client of the process: no request
   goes there until it answers again, and each request waiting on it is given
@@ -64,7 +64,7 @@ NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
 class ReplicaFrozen(httpx.ReadTimeout):
     """The replica stopped answering GET /health while the request ran.
-    `shared`: found by the process-wide prober, whose verdict keeps it out of
+    `shared`: found by the process-wide pinger, whose verdict keeps it out of
     every pick until it answers; else by the request's own check."""
 
     shared = False
@@ -72,7 +72,7 @@ class ReplicaFrozen(httpx.ReadTimeout):
     @classmethod
     def after(cls, watch: Watch, silent: Silent) -> ReplicaFrozen:
         if silent.verdict is not None:
-            frozen = cls(f"connected, then {silent.verdict}, by the process's liveness probe")
+            frozen = cls(f"connected, then {silent.verdict}, by the process's liveness ping")
             frozen.shared = True
             return frozen
         return cls(f"connected, then silent for {watch.every_s:g}s; GET /health unanswered "
@@ -81,7 +81,7 @@ class ReplicaFrozen(httpx.ReadTimeout):
 
 STALLED = (httpx.ReadTimeout, httpx.WriteTimeout)
 RESET = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
-# A liveness or version probe is one small GET: a replica that cannot answer
+# A liveness ping or version check is one small GET: a replica that cannot answer
 # it within this (or the stall bound, if shorter) is frozen or gone.
 PROBE_TIMEOUT_S = 5.0
 
@@ -139,16 +139,16 @@ def retry_after_s(response: httpx.Response) -> float | None:
 @dataclass(frozen=True)
 class Watch:
     """While the request runs on `replica`: given up if the process-wide
-    prober finds it frozen (liveness.py), and every `every_s` (None: never)
-    GET `probe_url` (bounded by `probe_s`); either raises `ReplicaFrozen` at
+    pinger finds it frozen (liveness.py), and every `every_s` (None: never)
+    GET `ping_url` (bounded by `ping_s`); either raises `ReplicaFrozen` at
     the plan's `yield`."""
 
     replica: str
     every_s: float | None
-    probe_s: float
+    ping_s: float
 
     @property
-    def probe_url(self) -> str:
+    def ping_url(self) -> str:
         return self.replica + "/health"
 
 
@@ -191,10 +191,10 @@ class Timeouts:
         return httpx.Timeout(self.total_s)
 
     def watch(self, url: str) -> Watch:
-        return Watch(url, self.stall_s, self.probe_s)
+        return Watch(url, self.stall_s, self.ping_s)
 
     @property
-    def probe_s(self) -> float:
+    def ping_s(self) -> float:
         return min(PROBE_TIMEOUT_S, self.stall_s or PROBE_TIMEOUT_S, self.total_s)
 
 
@@ -306,7 +306,7 @@ class Call(Generic[T]):
                 and self.min_weight_version is not None)
 
 
-# A /ready probe is cheap; one hung replica must not stall the others' polls.
+# A /ready poll is cheap; one hung replica must not stall the others' polls.
 READY_PROBE_TIMEOUT_S = 10.0
 
 
@@ -351,9 +351,9 @@ def learn_versions(pool: ReplicaPool, policy: RetryPolicy, timeouts: Timeouts,
     """Ask the replicas of unknown version for it (GET /info, a short timeout
     each) when none is known to hold `min_version`, so a fresh client's first
     try goes to a replica that holds it rather than to one restarted at v0."""
-    for url in pool.claim_version_probe(min_version):
+    for url in pool.claim_version_check(min_version):
         try:
-            r = yield Send("GET", url + "/info", kwargs={"timeout": timeouts.probe_s})
+            r = yield Send("GET", url + "/info", kwargs={"timeout": timeouts.ping_s})
         except httpx.TransportError as e:
             if isinstance(e, STALLED):
                 pool.mark_down(url, policy.stall_down_s, f"frozen: GET /info timed out ({e})")

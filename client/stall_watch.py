@@ -11,7 +11,7 @@ answer the liveness check in time is frozen, and the call is given up at once.
 A refused check is not silence (liveness.refused): a draining replica still
 finishes the call, a dead one's connection resets. The
 clients also hand the process-wide verdict of liveness.py in (`shared`): a
-call is given up as soon as that prober finds its replica frozen, well before
+call is given up as soon as that pinger finds its replica frozen, well before
 its own check (every `stall_timeout_s`) would have asked.
 
 Used by the clients (GET /health beside a /generate) and by the pusher's
@@ -36,7 +36,7 @@ T = TypeVar("T")
 class Silent(Exception):
     """The liveness check failed while the watched call was still running;
     `cause` is its transport error. `verdict`: set when the process-wide
-    prober (liveness.py), not this call's own check, found the replica frozen."""
+    pinger (liveness.py), not this call's own check, found the replica frozen."""
 
     def __init__(self, cause: httpx.TransportError, verdict: str | None = None) -> None:
         super().__init__(verdict or f"{type(cause).__name__}: {cause}")
@@ -104,7 +104,7 @@ async def run_watched_async(call: Awaitable[T], alive: Callable[[], Awaitable[No
     loop = asyncio.get_running_loop()
     frozen: asyncio.Future[None] = loop.create_future()
 
-    def wake() -> None:  # from the prober's thread
+    def wake() -> None:  # from the pinger's thread
         loop.call_soon_threadsafe(lambda: frozen.done() or frozen.set_result(None))
 
     waiter = shared.wait(wake) if shared is not None else None

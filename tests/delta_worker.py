@@ -82,7 +82,7 @@ def main() -> None:
     if rank == 0:
         dense = plan_buckets(plan_of(before), WIRE, BUCKET)
         wire = LoopbackTransport()
-        _, err = BucketSender().send_all(dense, iter(before.items()), wire, "dense")
+        _, err = BucketSender().send_all(dense, iter(before.items()), wire, ["dense"])
         assert err is None, err
         resident = stage(dense, wire.sent)
         report["split"] = sum(1 for b in dense for s in b.params if s.chunk_offset is not None)
@@ -117,7 +117,7 @@ def main() -> None:
                 delta.committed(model, opening, version)
             continue
         wire = LoopbackTransport()
-        checksums, err = BucketSender().send_all(plan.buckets, patches, wire, "delta")
+        checksums, err = BucketSender().send_all(plan.buckets, patches, wire, ["delta"])
         for _ in patches:
             pass
         dist.barrier()

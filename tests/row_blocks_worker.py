@@ -92,7 +92,7 @@ def main() -> None:
         buckets = plan_buckets(param_plan(model), WIRE, BUCKET)
         capture = LoopbackTransport()
         gathers = iter_full_tensors(model, None, (), BUCKET)
-        _, err = BucketSender().send_all(buckets, gathers, capture, "t")
+        _, err = BucketSender().send_all(buckets, gathers, capture, ["t"])
         for _ in gathers:  # as the pusher does: finish every gather the peers are in
             pass
         report.update(error=err, buckets=len(buckets), largest_block=max(drawn))

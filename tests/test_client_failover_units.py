@@ -85,7 +85,7 @@ def test_a_frozen_replica_loses_its_request_and_is_skipped_while_the_other_serve
     assert {r.replica for r in answers} == {url("b")}
     [retried] = [r.retried for r in answers if r.retried]
     assert len(retried) == 1 and retried[0].startswith(f"{url('a')}: frozen")
-    # One try on a, one liveness probe that went unanswered, then skipped.
+    # One try on a, one liveness ping that went unanswered, then skipped.
     assert fleet.hosts() == {"a": 1, "b": 6} and fleet.hosts("/health") == {"a": 1}
     assert a.down_for_s == FAST.stall_down_s and a.last_error.startswith("frozen")
     assert fake_time.sleeps == []
@@ -213,13 +213,13 @@ def test_a_fresh_client_learns_versions_before_a_min_weight_version_request():
     assert fleet.hosts() == {"b": 2}  # a never got the request it would refuse
 
 
-def test_a_frozen_replica_does_not_stall_the_version_probe(fake_time, frozen_fleet):
+def test_a_frozen_replica_does_not_stall_the_version_check(fake_time, frozen_fleet):
     fleet = frozen_fleet({"a"}, a=18, b=18)
     with fleet.client(fake_time, retry=FAST, stall_timeout_s=3) as c:
         assert c.generate(["x"], min_weight_version=18).weight_version == 18
         a = c.replicas()[0]
     info_reads = [t for h, p, t in fleet.read_timeouts if p == "/info"]
-    assert info_reads and max(info_reads) <= 3  # a probe is bounded by the stall bound
+    assert info_reads and max(info_reads) <= 3  # a ping is bounded by the stall bound
     assert fleet.hosts() == {"b": 1} and a.down_for_s == FAST.stall_down_s
 
 

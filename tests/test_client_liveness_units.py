@@ -2,7 +2,7 @@
 
 Unit tests with fake servers: each replica is a tiny threaded HTTP server in
 this process, on 127.0.0.1 (the project allows fake servers only in unit
-tests that say so), so the clients and their shared prober use httpx's real
+tests that say so), so the clients and their shared pinger use httpx's real
 default transport. "Frozen" blocks every request the server receives until
 it is thawed, as a SIGSTOPped replica leaves its connections unanswered.
 The clients run a faster liveness policy than the default; nothing asserts
@@ -32,7 +32,7 @@ from tests.test_client_routing import generated
 
 LIVE = LivenessPolicy(every_s=0.5, timeout_s=1.0, misses=2, after_s=0.25)
 DEADLINE_S = 60.0  # generous: only a broken reroute waits this long
-# quiet: a probe answered after LIVE.timeout_s counts as a miss.
+# quiet: a ping answered after LIVE.timeout_s counts as a miss.
 pytestmark = pytest.mark.quiet
 
 
@@ -126,17 +126,17 @@ def homed_at(home: str, urls: list[str]) -> str:
                 if max(urls, key=lambda u: _weight(k, u)) == home)
 
 
-def probers(url: str) -> list[threading.Thread]:
+def pingers(url: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"rollout-sidecar-liveness {url}"]
 
 
-def test_clients_in_one_process_share_one_prober_and_one_verdict(replicas):
+def test_clients_in_one_process_share_one_pinger_and_one_verdict(replicas):
     a, b = replicas(2)
     urls = [a.url, b.url]
     clients = [GenerationClient(urls, liveness=LIVE, stall_timeout_s=None) for _ in range(3)]
     try:
         assert len({id(c._liveness.get(a.url)) for c in clients}) == 1
-        assert len(probers(a.url)) == 1 and len(probers(b.url)) == 1
+        assert len(pingers(a.url)) == 1 and len(pingers(b.url)) == 1
         a.freeze()
         # Only the first client ever waits on a; its request moves to b.
         assert clients[0].generate(["x"], session_key=homed_at(a.url, urls)).weight_version == 1
@@ -197,15 +197,15 @@ def test_every_client_leaves_a_frozen_replica_and_its_waiting_requests_move(repl
     assert errors == []
 
 
-def test_a_slow_replica_that_answers_its_probe_keeps_its_long_request(replicas):
+def test_a_slow_replica_that_answers_its_ping_keeps_its_long_request(replicas):
     (a,) = replicas(1, generate_s=4 * LIVE.every_s)
     (b,) = replicas(1)
     urls = [a.url, b.url]
     with GenerationClient(urls, liveness=LIVE, stall_timeout_s=None) as c:
         entry = c._liveness.get(a.url)
-        probes_before = entry.probes
+        pings_before = entry.pings
         assert c.generate(["x"], session_key=homed_at(a.url, urls)).weight_version == 1
-        assert entry.probes - probes_before >= 2  # asked while it ran, and it answered
+        assert entry.pings - pings_before >= 2  # asked while it ran, and it answered
         assert [r.frozen for r in c.replicas()] == [False, False]
         assert c.replicas()[0].last_error is None
     assert a.generates() == 1 and b.generates() == 0, "one try: never sent again"
@@ -213,7 +213,7 @@ def test_a_slow_replica_that_answers_its_probe_keeps_its_long_request(replicas):
 
 def test_a_draining_replica_that_refuses_new_connections_keeps_its_request(replicas):
     # A SIGTERMed server closes its listener and finishes what it holds: its
-    # probes are refused (not unanswered), so it is not frozen, and neither the
+    # pings are refused (not unanswered), so it is not frozen, and neither the
     # shared verdict nor the client's own stall check gives its request up.
     (a,) = replicas(1, generate_s=4 * LIVE.every_s)
     (b,) = replicas(1)
@@ -227,10 +227,10 @@ def test_a_draining_replica_that_refuses_new_connections_keeps_its_request(repli
 
         draining = threading.Thread(target=drain, daemon=True)
         draining.start()
-        probes_before = entry.probes
+        pings_before = entry.pings
         assert c.generate(["x"], session_key=homed_at(a.url, urls)).weight_version == 1
         draining.join(DEADLINE_S)
-        assert entry.probes - probes_before >= 2  # refused while it ran
+        assert entry.pings - pings_before >= 2  # refused while it ran
         assert not entry.frozen and c.replicas()[0].last_error is None
     assert a.generates() == 1 and b.generates() == 0, "one try: never sent again"
 
@@ -244,7 +244,7 @@ def test_a_replica_that_comes_back_is_used_again(replicas):
         c.generate(["x"], session_key=key)  # waits on a, moves to b
         assert c.replicas()[0].frozen and b.generates() == 1
         a.thaw()  # the abandoned request ends on a
-        until(lambda: not c.replicas()[0].frozen, "a answers its probe again")
+        until(lambda: not c.replicas()[0].frozen, "a answers its ping again")
         before = a.generates()
         for _ in range(3):
             c.generate(["x"], session_key=key)
@@ -268,7 +268,7 @@ def test_when_every_replica_is_frozen_the_error_names_each(replicas):
     assert a.generates() == 1 and b.generates() == 1
 
 
-def test_closed_or_collected_clients_stop_probing(replicas):
+def test_closed_or_collected_clients_stop_pinging(replicas):
     (a,) = replicas(1)
     first = GenerationClient(a.url, liveness=LIVE)
     second = GenerationClient(a.url, liveness=LIVE)
@@ -287,7 +287,7 @@ def test_closed_or_collected_clients_stop_probing(replicas):
     gc.collect()
     entry._thread.join(DEADLINE_S)
     assert not entry._thread.is_alive() and entry not in REGISTRY.entries()
-    assert probers(a.url) == []
+    assert pingers(a.url) == []
 
 
 def test_an_async_client_shares_the_verdict_and_moves_its_waiting_request(replicas):
@@ -307,7 +307,7 @@ def test_an_async_client_shares_the_verdict_and_moves_its_waiting_request(replic
     assert a.generates() == 1 and b.generates() == 1
 
 
-def test_an_async_client_with_its_own_transport_probes_through_its_loop():
+def test_an_async_client_with_its_own_transport_pings_through_its_loop():
     frozen_a = asyncio.Event()  # never set: a's /generate never answers
 
     async def handler(request: httpx.Request) -> httpx.Response:

@@ -54,7 +54,7 @@ class Fleet:
 
     `script[host]` holds what that host answers first (responses or
     exceptions to raise) to anything but the client's version and liveness
-    probes (GET /info, /health), before it behaves normally. Like the real server,
+    pings (GET /info, /health), before it behaves normally. Like the real server,
     a replica behind `min_weight_version` answers 409 naming that field."""
 
     def __init__(self, **versions: int) -> None:

@@ -183,7 +183,8 @@ class LoopbackTransport:
     def __init__(self) -> None:
         self.sent: dict[int, bytes] = {}
 
-    def send(self, index: int, buf: torch.Tensor, push_id: str, checksum: int | None) -> None:
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
+             ) -> None:
         self.sent[index] = bytes(buf.numpy())
 
 
@@ -205,7 +206,7 @@ def push_and_stage(model: dict[str, torch.Tensor], bucket: int) -> tuple[Staging
     req = begin(manifest(buckets))
     check_manifest(req, index_of(model), "bfloat16")
     sender, wire, drawn = BucketSender(), LoopbackTransport(), Drawn(model)
-    checksums, err = sender.send_all(buckets, iter(drawn), wire, "push")
+    checksums, err = sender.send_all(buckets, iter(drawn), wire, ["push"])
     assert err is None
     assert drawn.draws == list(model)  # each tensor drawn once, split or not
     staging = Staging()
@@ -246,6 +247,6 @@ def test_nan_in_a_later_chunk_is_refused_and_every_tensor_still_drawn():
     model["embed"][-1, -1] = float("nan")  # in the embedding's last chunk
     buckets = plan_buckets(plan_of(model), WIRE, BUCKET)
     drawn = Drawn(model)
-    _, err = BucketSender().send_all(buckets, iter(drawn), LoopbackTransport(), "push")
+    _, err = BucketSender().send_all(buckets, iter(drawn), LoopbackTransport(), ["push"])
     assert err is not None and err[0] == "nonfinite" and "embed" in err[1]
     assert drawn.draws == list(model)

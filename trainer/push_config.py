@@ -21,6 +21,7 @@ from rollout_sidecar.trainer.probe import Forward
 Fanout = Literal["auto", "broadcast", "chain"]
 OnServerRestart = Literal["repush", "raise"]
 DeltaMode = Literal["auto", True, False]
+AdapterMode = Literal["auto", True, False]  # the same three answers, another question
 CopyLocation = Literal["host", "device"]
 
 # The probe was called "verify" before the vocabulary settled (check = CRCs,
@@ -131,7 +132,7 @@ class PushConfig:
     patch over half the dense bytes); `PushResult.encoding` says which went,
     `delta_reason` why not. False: always dense, and no copy is kept."""
 
-    adapter: DeltaMode = "auto"
+    adapter: AdapterMode = "auto"
     """A PEFT LoRA model: send its adapter, not the merged model, where every
     replica was started with --enable-lora and can apply it (trainer/adapter/).
     "auto" falls back to merged (`PushResult.adapter_reason` says why), True
@@ -154,7 +155,7 @@ class PushConfig:
         _one_of("on_server_restart", self.on_server_restart, OnServerRestart)
         _one_of("delta", self.delta, DeltaMode)
         _one_of("delta_copy", self.delta_copy, CopyLocation)
-        _one_of("adapter", self.adapter, DeltaMode)
+        _one_of("adapter", self.adapter, AdapterMode)
         if not 0 < self.delta_dense_above <= 1:
             raise ValueError(f"delta_dense_above must be in (0, 1], not "
                              f"{self.delta_dense_above!r}")

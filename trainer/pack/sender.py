@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -50,9 +49,9 @@ class BucketSender:
         return self._buffers
 
     def send_all(self, buckets: list[BucketManifest], tensors: Iterator[tuple[str, torch.Tensor]],
-                 transport: Transport, push_id: Any) -> tuple[list[int], Error | None]:
-        """Send every bucket; returns the CRCs and the first error. `push_id`
-        goes to `transport.send` as is (HTTP: each replica's id of the push)."""
+                 transport: Transport, push_ids: list[str]) -> tuple[list[int], Error | None]:
+        """Send every bucket; returns the CRCs and the first error. `push_ids`
+        (each replica's id of the push) go to `transport.send` as they are."""
         if not buckets:  # an unchanged delta: nothing to send
             return [], None
         buffers = self._buffers_for(max(b.nbytes for b in buckets), transport.buffer_device)
@@ -81,12 +80,12 @@ class BucketSender:
             try:
                 if transport.checksum_in_request:
                     checksums.append(crc32(buf))
-                    in_flight[slot] = transport.send(b.index, buf, push_id, checksums[-1])
+                    in_flight[slot] = transport.send(b.index, buf, push_ids, checksums[-1])
                 else:
                     # The CRCs (and tags) travel with the prepare, so compute
                     # them while the bucket is on the wire (zlib and hashlib
                     # release the GIL). An NCCL bucket comes to the host once.
-                    in_flight[slot] = transport.send(b.index, buf, push_id, None)
+                    in_flight[slot] = transport.send(b.index, buf, push_ids, None)
                     host = buf if buf.is_cpu else buf.cpu()
                     checksums.append(crc32(host))
                     if macs is not None:

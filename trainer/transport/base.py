@@ -36,9 +36,10 @@ class Transport(Protocol):
     def start_push(self, version: int) -> None:
         """A push of `version` begins (after `ensure_connected`)."""
 
-    def send(self, index: int, buf: torch.Tensor, push_id: Any, checksum: int | None
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
              ) -> Pending:
-        """Start sending bucket `index`; `push_id`: each replica's id of the push."""
+        """Start sending bucket `index`; `push_ids`: each replica's id of the
+        push, in replica order."""
 
     def reset(self) -> None:
         """Drop the connection (after a failed push the replicas drop theirs)."""

@@ -210,7 +210,8 @@ class DistributedTransport:
         else:
             self.bucket_macs = None
 
-    def send(self, index: int, buf: torch.Tensor, push_id: Any, checksum: int | None) -> Any:
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
+             ) -> Any:
         return send_bucket(self.group, buf, self.fanout)
 
     def reset(self) -> None:

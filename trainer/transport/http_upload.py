@@ -43,11 +43,11 @@ class HttpUploadTransport:
     def start_push(self, version: int) -> None:
         pass
 
-    def send(self, index: int, buf: torch.Tensor, push_id: list[str], checksum: int | None
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
              ) -> Any:
-        """`push_id`: each replica's id of this push, in replica order."""
+        """`push_ids`: each replica's id of this push, in replica order."""
         data = memoryview(buf.numpy()).tobytes()
-        self.replicas.all(lambda admin, i: admin.put_bucket(push_id[i], index, data, checksum),
+        self.replicas.all(lambda admin, i: admin.put_bucket(push_ids[i], index, data, checksum),
                           f"bucket {index}")
         return _Done()
 
