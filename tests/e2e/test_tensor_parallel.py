@@ -185,6 +185,9 @@ def test_a_fault_on_one_rank_publishes_nothing_and_the_next_push_is_exact(
         if how == "nan":
             _nan_after_begin(model)
         else:
+            # Something to send and load: a push of unchanged weights moves no
+            # bucket and loads nothing, so no check or load could fail.
+            step(model, seed=500 + list(FAULTS).index(fault), density=0.05)
             tp2.fault_file.write_text(how)
         try:
             with pytest.raises(WeightPushError):

@@ -9,9 +9,10 @@ CRC-checked set of buckets; the load itself is all-or-nothing (reload.py).
 `finish_weight_update` releases the patches and forgets the push, so a later
 `discard` leaves the staged copy alone: it stays, the base of the next delta.
 
-Blocking work (joining the trainer's group, receiving buckets) runs in
-background threads (bucket_receive.py), so the engine core keeps scheduling
-generation meanwhile; each sets this worker's CUDA device first.
+How the bytes arrive is the receive path's (receive_paths.py: the trainer's
+group, or HTTP bodies). Blocking work (joining the group, receiving buckets)
+runs in background threads (bucket_receive.py), so the engine core keeps
+scheduling generation meanwhile; each sets this worker's CUDA device first.
 
 Roles: when the TP workers of one host share a staged copy (host_share.py),
 the first worker (the leader) joins the group, receives, checks and patches;
@@ -38,11 +39,7 @@ from rollout_sidecar.server.weights.worker.adapter_loading import (
     split_adapter,
     stage_adapter,
 )
-from rollout_sidecar.server.weights.worker.bucket_receive import (
-    Receive,
-    receive_broadcast,
-    receive_chain,
-)
+from rollout_sidecar.server.weights.worker.bucket_receive import Receive
 from rollout_sidecar.server.weights.worker.connection import Connection, StagedInitInfo
 from rollout_sidecar.server.weights.worker.fault_injection import (
     apply_test_faults,
@@ -51,6 +48,7 @@ from rollout_sidecar.server.weights.worker.fault_injection import (
 )
 from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
 from rollout_sidecar.server.weights.worker.patching import ResidentCopy, apply_patches
+from rollout_sidecar.server.weights.worker.receive_paths import GroupReceive, HttpStage
 from rollout_sidecar.server.weights.worker.reload import LoadRefused, load_all_or_nothing
 from rollout_sidecar.server.weights.worker.staging import Staging
 
@@ -208,15 +206,15 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             self._checked = op is WorkerOp.CHECK
             return
         if op is WorkerOp.ALLOCATE:
-            self._allocate(info, torch.device("cpu"))
+            self._allocate(info, HttpStage.staging_device)
         elif op is WorkerOp.RECEIVE:
-            if self.group is None:
-                raise RuntimeError("data plane not connected; call /weights/connect first")
-            self._allocate(info, self._staging_device(info))
-            self._receiver = Receive(self.group, self._receive_all)
-            self._receiver.start()
+            path = GroupReceive(self.connection, self.device)
+            # Patches (a delta's, an adapter's) are small and applied on the host.
+            self._allocate(info, path.staging_device(
+                small=info.delta_base is not None or info.adapter is not None))
+            self._receiver = path.start(self.incoming.buckets)
         elif op is WorkerOp.STAGE:
-            self._stage_http(info)
+            HttpStage.stage(self.incoming.buckets, info.bucket, info.data)
         elif op is WorkerOp.PATCH:
             self._patch()
         elif op is WorkerOp.CHECK:
@@ -327,39 +325,6 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.incoming.check_macs(info.macs, key, j.info.connection_id, info.version)
 
     # ---------------------------------------------------------------- internals
-
-    def _staging_device(self, info: StagedUpdateInfo) -> torch.device:
-        # gloo moves host memory. NCCL receives into device memory, but a full
-        # staged copy there sits outside vLLM's memory budget, so by default it
-        # goes through a one-bucket device buffer into pinned host memory.
-        # Patches (a delta's, an adapter's) are small and applied on the host.
-        small = info.delta_base is not None or info.adapter is not None
-        if self.backend == "nccl" and self.connection.info.staging == "device" and not small:
-            return self.device
-        return torch.device("cpu")
-
-    def _receive_all(self, rx: Receive) -> None:
-        j = self.connection.joiner
-        if j.info.fanout == "chain":
-            receive_chain(rx.group, self.incoming.buckets, j.rank, j.info.world_size,
-                          j.info.mac_key)
-        else:
-            receive_broadcast(rx.group, self.incoming.buckets, self.backend, self.device,
-                              j.info.mac_key)
-
-    def _stage_http(self, info: StagedUpdateInfo) -> None:
-        if info.bucket is None or info.data is None:
-            raise ValueError("stage needs bucket and data")
-        buckets = self.incoming.buckets
-        if not 0 <= info.bucket < len(buckets):
-            raise ValueError(f"bucket {info.bucket} is not in the manifest")
-        b = buckets[info.bucket]
-        if len(info.data) != b.nbytes:
-            raise ValueError(f"bucket {info.bucket}: {len(info.data)} bytes, expected {b.nbytes}")
-        b.buffer.copy_(torch.frombuffer(bytearray(info.data), dtype=torch.uint8))
-        b.received = True
-        b.checksum = None  # recomputed at the check: a re-sent bucket replaces the old bytes
-        b.mac = None
 
     def _receiving(self) -> bool:
         return self._receiver is not None and self._receiver.is_alive()

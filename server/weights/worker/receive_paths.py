@@ -1,0 +1,88 @@
+"""The ways a push's bytes reach a worker's staging, one class each. The
+transfer engine (transfer_engine.py) asks the path that the push's opening
+op names where its buckets land and how they arrive, instead of telling
+transports apart; the API process picks the op (server/weights/receivers.py).
+
+- `GroupReceive` (gloo, NCCL; opened by `WorkerOp.RECEIVE`): the trainer's
+  data-plane group, in a background thread that CRCs (and tags) each bucket
+  as it lands (bucket_receive.py): a broadcast from the trainer's rank 0, or
+  gloo's chain, where each replica forwards what it got.
+- `HttpStage` (HTTP; opened by `WorkerOp.ALLOCATE`, then one `WorkerOp.STAGE`
+  per bucket): the bytes the API process took from a request body; their CRC
+  is computed at the check.
+
+Adding a transport is one `Receiver` in the API process and, if its bytes
+arrive some other way, one class here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout_sidecar.server.weights.worker.bucket_receive import (
+    Receive,
+    receive_broadcast,
+    receive_chain,
+)
+from rollout_sidecar.server.weights.worker.connection import Connection
+from rollout_sidecar.server.weights.worker.staging import StagedBucket
+
+HOST = torch.device("cpu")
+
+
+class GroupReceive:
+    """Buckets over the trainer's group, which this worker joined at connect."""
+
+    def __init__(self, connection: Connection, device: torch.device) -> None:
+        if connection.group is None:
+            raise RuntimeError("data plane not connected; call /weights/connect first")
+        self.connection = connection
+        self.device = device
+
+    def staging_device(self, small: bool) -> torch.device:
+        """Where the buckets land. gloo moves host memory. NCCL receives into
+        device memory, but a full staged copy there sits outside vLLM's memory
+        budget, so by default it goes through a one-bucket device buffer into
+        pinned host memory. `small` pushes (a delta's or an adapter's
+        patches) are applied on the host."""
+        c = self.connection
+        if c.backend == "nccl" and c.info.staging == "device" and not small:
+            return self.device
+        return HOST
+
+    def start(self, buckets: list[StagedBucket]) -> Receive:
+        """Receive every bucket in a background thread, started here."""
+        c = self.connection
+        j = c.joiner
+        assert j is not None
+
+        def run(rx: Receive) -> None:
+            if j.info.fanout == "chain":
+                receive_chain(rx.group, buckets, j.rank, j.info.world_size, j.info.mac_key)
+            else:
+                receive_broadcast(rx.group, buckets, c.backend, self.device, j.info.mac_key)
+
+        receiver = Receive(c.group, run)
+        receiver.start()
+        return receiver
+
+
+class HttpStage:
+    """Buckets as HTTP bodies, handed over one op at a time."""
+
+    staging_device = HOST
+
+    @staticmethod
+    def stage(buckets: list[StagedBucket], bucket: int | None, data: bytes | None) -> None:
+        """Copy one bucket's bytes in; a re-sent bucket replaces the old bytes."""
+        if bucket is None or data is None:
+            raise ValueError("stage needs bucket and data")
+        if not 0 <= bucket < len(buckets):
+            raise ValueError(f"bucket {bucket} is not in the manifest")
+        b = buckets[bucket]
+        if len(data) != b.nbytes:
+            raise ValueError(f"bucket {bucket}: {len(data)} bytes, expected {b.nbytes}")
+        b.buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        b.received = True
+        b.checksum = None  # recomputed at the check
+        b.mac = None
