@@ -1,0 +1,51 @@
+"""The worker's receive paths (server/weights/worker/receive_paths.py), alone:
+no engine, no group. Pushes through them run in tests/e2e (test_push.py:
+gloo, HTTP, split buckets; test_tensor_parallel.py: two workers)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollout_sidecar.server.weights.worker.connection import Connection
+from rollout_sidecar.server.weights.worker.receive_paths import HOST, GroupReceive, HttpStage
+from rollout_sidecar.server.weights.worker.staging import StagedBucket
+
+
+def _buckets(*sizes: int) -> list[StagedBucket]:
+    return [StagedBucket(i, n, [], torch.zeros(n, dtype=torch.uint8), checksum=7)
+            for i, n in enumerate(sizes)]
+
+
+def test_http_stage_copies_a_bucket_in_and_refuses_what_does_not_fit():
+    buckets = _buckets(4, 2)
+    HttpStage.stage(buckets, 1, b"\x01\x02")
+    assert buckets[1].received and buckets[1].buffer.tolist() == [1, 2]
+    assert buckets[1].checksum is None  # recomputed at the check, over these bytes
+    assert not buckets[0].received
+    for bucket, data, message in [(2, b"ab", "not in the manifest"),
+                                  (0, b"abc", "3 bytes, expected 4"),
+                                  (None, b"ab", "needs bucket and data")]:
+        with pytest.raises(ValueError, match=message):
+            HttpStage.stage(buckets, bucket, data)
+    assert HttpStage.staging_device == HOST
+
+
+def test_a_group_receive_needs_a_group_and_stages_full_pushes_where_nccl_says():
+    with pytest.raises(RuntimeError, match="not connected"):
+        GroupReceive(Connection(), torch.device("cpu"))
+
+    def joined(backend: str, staging: str) -> Connection:
+        c = Connection()
+        c.joiner = SimpleNamespace(group=object(),
+                                   info=SimpleNamespace(backend=backend, staging=staging))
+        return c
+
+    gpu = torch.device("cuda", 1)
+    assert GroupReceive(joined("nccl", "device"), gpu).staging_device(small=False) == gpu
+    # Patches are applied on the host; host staging and gloo are host memory.
+    assert GroupReceive(joined("nccl", "device"), gpu).staging_device(small=True) == HOST
+    assert GroupReceive(joined("nccl", "auto"), gpu).staging_device(small=False) == HOST
+    assert GroupReceive(joined("gloo", "device"), gpu).staging_device(small=False) == HOST
