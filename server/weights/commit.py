@@ -232,14 +232,14 @@ class TwoPhaseCommit:
         serves, becomes `version` too (each checks it holds the base). No
         session, no load; the engine's label moves between two steps."""
         gate, v = self.engine.gate, push.req.version
-        held, self.delta_base = self.delta_base, None
+        self.delta_base = None  # until every worker relabelled (begin checked the base)
         try:
             await ops.call(self.llm, SideOp.RELABEL, base=push.req.delta_base, version=v)
         except Exception as e:
-            # Nothing changed the model; a worker whose copy moved is dense next.
+            # Nothing changed the model; the workers may disagree now: dense next.
             raise PushFailed(f"push of unchanged weights rejected, version {gate.version} "
                              f"still serving: {e}") from e
-        self.delta_base = v if held == push.req.delta_base else None
+        self.delta_base = v
         self.engine.adapters.published_full(v)
         self._laps("relabel_s")
         await self.llm.update_weight_version(str(v))
