@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from tests.polling import metric, until
+from tests.polling import metric, until, until_decoding
 
 # Same tokens, same weights, float32: prefill (scoring) and decode agree to rounding.
 LOGPROB_TOL = 1e-5
@@ -180,10 +180,12 @@ def test_future_min_weight_version_is_409_not_a_hang(srv):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_work_of_a_client_that_left_is_aborted(srv, stream):
-    """The client leaves as soon as the engine runs its request; the engine
-    then samples far fewer tokens than the request asked for (counted by the
-    engine itself, so a fast machine cannot finish the work before we leave
-    and pass by luck)."""
+    """The client leaves once the engine has sampled for its request; the
+    engine then samples far fewer tokens than the request asked for (counted
+    by the engine itself, so a fast machine cannot finish the work before we
+    leave and pass by luck). Leaving only after the first sampled token keeps
+    the count's lower bound from racing the prefill: leaving earlier, the
+    abort may land before any token and the count cannot show it works."""
     n, max_tokens = 8, 400
     body = json.dumps({"model": "", "messages": [{"role": "user", "content": "hi"}], "n": n,
                        "max_tokens": max_tokens, "ignore_eos": True, "stream": stream})
@@ -193,8 +195,7 @@ def test_work_of_a_client_that_left_is_aborted(srv, stream):
     conn.request("POST", "/v1/chat/completions", body=body,
                  headers={"Authorization": f"Bearer {srv.api_token}",
                           "Content-Type": "application/json"})
-    until(lambda: metric(srv, "rollout_sidecar_engine_unfinished_requests") > 0,
-          "the request reaching the engine")
+    until_decoding(srv, before, "the engine sampling for the request")
     conn.sock.shutdown(socket.SHUT_RDWR)  # the client leaves mid-request
     conn.close()
     until(lambda: metric(srv, "rollout_sidecar_engine_unfinished_requests") == 0
