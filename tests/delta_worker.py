@@ -16,13 +16,13 @@ for bit. Rank 0 writes a JSON report; tests/test_delta_push_units.py asserts.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tests.fsdp_wrap import full_state_dict, wrap
+from tests.rank_worker import main
 
 BUCKET = 4096  # bytes: the embedding and the head are split in the resident copy
 WIRE = torch.bfloat16
@@ -55,7 +55,12 @@ def stage(buckets: list, sent: dict[int, bytes]):
     return staging
 
 
-def main() -> None:
+def arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--wrap", default="fsdp2")
+    ap.add_argument("--nan", action="store_true")
+
+
+def body(args: argparse.Namespace, rank: int) -> dict:
     from rollout_sidecar.client.protocol import BeginRequest
     from rollout_sidecar.client.protocol.delta_codec import bits
     from rollout_sidecar.client.protocol.wire_format import crc32
@@ -65,13 +70,6 @@ def main() -> None:
     from rollout_sidecar.trainer.pack.sender import BucketSender
     from tests.test_split_buckets import LoopbackTransport, index_of, plan_of
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--wrap", default="fsdp2")
-    ap.add_argument("--nan", action="store_true")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     model = build(args.wrap)
     opening = Opening(False, "bfloat16", {}, [], None, None)
     report: dict = {"pushes": []}
@@ -147,12 +145,8 @@ def main() -> None:
             delta.committed(model, opening, version)
         report["pushes"].append(row)
         before = after
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    main(body, arguments)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from tests.fsdp_wrap import wrap
+from tests.rank_worker import main
 
 
 def shard(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
@@ -41,7 +41,11 @@ def local_state(model: torch.nn.Module) -> list[torch.Tensor]:
             for p in model.parameters()]
 
 
-def main() -> None:
+def arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--wrappers", default="fsdp2,fsdp1,fsdp1_peft_policy")
+
+
+def body(args: argparse.Namespace, rank: int) -> dict:
     from rollout_sidecar.trainer.gather import row_blocks
     from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
     from rollout_sidecar.trainer.gather.full_tensors import param_plan
@@ -53,13 +57,7 @@ def main() -> None:
     from tests.test_peft_merge import BUCKET, DENSE, peft_llama
     from tests.test_split_buckets import LoopbackTransport
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--wrappers", default="fsdp2,fsdp1,fsdp1_peft_policy")
-    args = ap.parse_args()
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     materialized: list[str] = []  # LoRA-targeted weights that came as row blocks
     materialize = row_blocks.RowBlocks.materialize
 
@@ -106,12 +104,8 @@ def main() -> None:
                 bitwise=all(n in got and torch.equal(got[n], t) for n, t in sd.items()),
                 unchanged=bool(same.item()), materialized=sorted(set(materialized)),
                 probe_gap=(torch.tensor(got_lp) - want_lp).abs().mean().item())
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    main(body, arguments)

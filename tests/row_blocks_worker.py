@@ -12,13 +12,12 @@ there, and every rank must still finish the same collectives after it.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from rollout_sidecar.client.protocol.wire_format import torch_dtype
+from tests.rank_worker import main
 
 BUCKET = 1024  # bytes: every large parameter spans many buckets and many blocks
 WIRE = torch.bfloat16
@@ -55,7 +54,11 @@ def reassemble(buckets: list, sent: dict[int, bytes]) -> dict[str, torch.Tensor]
     return out
 
 
-def main() -> None:
+def arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--nan", action="store_true")
+
+
+def body(args: argparse.Namespace, rank: int) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from rollout_sidecar.trainer.gather import row_blocks
@@ -64,12 +67,6 @@ def main() -> None:
     from rollout_sidecar.trainer.pack.sender import BucketSender
     from tests.test_split_buckets import LoopbackTransport  # keeps a copy of every bucket
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--nan", action="store_true")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     model = build()
     if args.nan:
         with torch.no_grad():
@@ -108,11 +105,8 @@ def main() -> None:
             report["mismatched"] = [n for n, t in full.items() if not torch.equal(
                 got[n].view(torch.int16), t.to(WIRE).view(torch.int16))]
             report["compared"] = sorted(got)
-        with open(args.out, "w") as f:
-            json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    main(body, arguments)

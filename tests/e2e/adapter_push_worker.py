@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import warnings
 
 import torch
 
-from tests.e2e.peft_push_worker import (
-    LINEAR,
-    finish_ranks,
-    gaps,
-    scored_sequences,
-    served,
-    start_ranks,
-)
+from tests.e2e.peft_push_worker import LINEAR, gaps, scored_sequences, served
+from tests.rank_worker import main, server_info
 
 
 def build_lora(model_path: str, seed: int, r: int = 8, alpha: int = 16,
@@ -60,16 +55,17 @@ def oracle_copy(model: torch.nn.Module, like: torch.nn.Module) -> torch.nn.Modul
     return out
 
 
-def main() -> None:
+def arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--model", required=True)
+
+
+def body(args: argparse.Namespace, rank: int) -> list[dict]:
     from rollout_sidecar.trainer import WeightPusher, WeightPushError
     from tests.fsdp_wrap import wrap
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    rank, client, info = start_ranks(args.url)
+    warnings.simplefilter("ignore")
+    client, info = server_info(args.url)
     seqs = scored_sequences(info["vocab_size"])
     model = build_lora(args.model, seed=21)
     like = copy.deepcopy(model)
@@ -99,8 +95,8 @@ def main() -> None:
             r.update(gaps(args.model, oracle, got, seqs))
         report.append(r)
     pusher.close()
-    finish_ranks(rank, report, args.out)
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    main(body, arguments)

@@ -8,12 +8,12 @@ JSON report; tests/e2e/test_delta_push.py asserts.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 
 from tests.fidelity.fidelity_worker import build
+from tests.rank_worker import main
 
 SCORED = [list(range(40, 100)), list(range(3, 250, 4))]
 
@@ -27,19 +27,15 @@ def answers(client, version: int) -> dict:
                 scored=[r.prompt_logprobs[1:] for r in s.results])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--delta-url", required=True)
     ap.add_argument("--dense-url", required=True)
     ap.add_argument("--dense-tokens", required=True, help="admin,api of the dense server")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
     ap.add_argument("--pushes", type=int, default=3)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
 
+
+def body(args: argparse.Namespace, rank: int) -> dict:
     from rollout_sidecar.client import GenerationClient
     from rollout_sidecar.trainer import WeightPusher
 
@@ -73,12 +69,8 @@ def main() -> None:
                 same_samples=got[0]["samples"] == got[1]["samples"],
                 same_scored=got[0]["scored"] == got[1]["scored"],
                 push_s=[a.timings["total_s"], b.timings["total_s"]]))
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    main(body, arguments)

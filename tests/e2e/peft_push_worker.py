@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import warnings
 
 import torch
+
+from tests.rank_worker import main, server_info
 
 # Every linear of the served Llama, and a fully trained copy of its (untied) head.
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -74,44 +75,18 @@ def gaps(model_path: str, model: torch.nn.Module, got: torch.Tensor,
                 moved=(want - before).abs().mean().item())
 
 
-def start_ranks(url: str) -> tuple[int, object, dict]:
-    """gloo up; (rank, rank 0's client, the server's /info on every rank)."""
-    import torch.distributed as dist
-
-    from rollout_sidecar.client import GenerationClient
-
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    client = GenerationClient(url) if rank == 0 else None
-    box = [client.info().model_dump() if client else None]
-    dist.broadcast_object_list(box, src=0)
-    return rank, client, box[0]
+def arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--wrappers", default="fsdp2,fsdp1")
 
 
-def finish_ranks(rank: int, report: object, out: str) -> None:
-    """Rank 0 writes the report; every rank ends its process group and returns."""
-    import torch.distributed as dist
-
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def main() -> None:
-
+def body(args: argparse.Namespace, rank: int) -> dict:
     from rollout_sidecar.trainer import WeightPusher, WeightPushError
     from tests.peft_merge_worker import shard
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--wrappers", default="fsdp2,fsdp1")
-    args = ap.parse_args()
-    rank, client, info = start_ranks(args.url)
+    warnings.simplefilter("ignore")
+    client, info = server_info(args.url)
     seqs = scored_sequences(info["vocab_size"])
     pusher = WeightPusher(args.url, bucket_mb=1, probe_tolerance=1e-4)
     version = info["weight_version"]
@@ -133,8 +108,8 @@ def main() -> None:
             r.update(gaps(args.model, oracle_src, got, seqs))
         report[wrapper] = r
     pusher.close()
-    finish_ranks(rank, report, args.out)
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    main(body, arguments)

@@ -12,12 +12,13 @@ with the same seed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
+
+from tests.rank_worker import main
 
 
 def build(model_path: str, mode: str) -> torch.nn.Module:
@@ -52,18 +53,14 @@ def reference(model_path: str, dtype: torch.dtype, state: dict | None) -> torch.
     return m.eval()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", required=True)
     ap.add_argument("--url", required=True)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
     ap.add_argument("--version", type=int, default=1)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
 
+
+def body(args: argparse.Namespace, rank: int) -> dict:
     from rollout_sidecar.client import GenerationClient
     from rollout_sidecar.trainer import MetaDeviceError, WeightPusher, WeightPushError
 
@@ -145,10 +142,7 @@ def main() -> None:
         report.update(version_after=served["weight_version"],
                       **{f"mean_abs_dlogp_{k}": sum(v) / len(v) for k, v in d.items()},
                       **{f"max_abs_dlogp_{k}": max(v) for k, v in d.items()})
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(report, f)
-    dist.destroy_process_group()
+    return report
 
 
 def _break_manifest(pusher) -> None:
@@ -237,4 +231,4 @@ def _die_mid_push(pusher, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(body, arguments)

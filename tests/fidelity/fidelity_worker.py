@@ -19,12 +19,12 @@ then serve bit-identical logprobs), then step and push as usual.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 
 from tests.fsdp_wrap import full_state_dict, wrap
+from tests.rank_worker import main, server_info
 
 PROMPT = [104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]  # "hello world"
 # Scored sequences: 8 x 48 tokens, so that in bf16 one MoE routing flip on a
@@ -146,26 +146,17 @@ def sparse_update(model: torch.nn.Module, rank: int) -> None:
             piece.data[hit] += 0.05 * torch.randn(int(hit.sum()), generator=g)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--url", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--wrappers", default="fsdp2")
     ap.add_argument("--scenario", default="push")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
 
-    from rollout_sidecar.client import GenerationClient
+
+def body(args: argparse.Namespace, rank: int) -> dict:
     from rollout_sidecar.trainer import WeightPusher, WeightPushError
 
-    client = GenerationClient(args.url) if rank == 0 else None
-    info = client.info() if client else None
-    box = [info.model_dump() if info else None]
-    dist.broadcast_object_list(box, src=0)
-    info = box[0]
+    client, info = server_info(args.url)
     serve_dtype = getattr(torch, info["dtype"])
     g = torch.Generator().manual_seed(5)
     scored = torch.randint(0, info["vocab_size"], (SCORED_SEQS, SCORED_LEN), generator=g).tolist()
@@ -221,12 +212,8 @@ def main() -> None:
                                        else None, after, oracle, scored, serve_dtype))
                 report["runs"].append(run)
             dist.barrier()
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    dist.barrier()  # neither rank tears the group down while the other still uses it
-    dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    main(body, arguments)
