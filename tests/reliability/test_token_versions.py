@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from tests.polling import engine_tokens, until_decoding
 from tests.reliability.conftest import served_version
 from tests.reliability.token_replay import Span, TokenReplay, shifted, spans_from_json, valid
 
@@ -84,11 +85,13 @@ def test_every_token_names_the_weights_that_sampled_it(reliable, trainer, oracle
     failures: list[str] = []
     pushed: list[int] = []
     stop = threading.Event()
+    tokens_before = engine_tokens(reliable)
 
     def train() -> None:
         trainer.pusher.commit_policy = "keep"
         try:
-            time.sleep(1.0)  # requests in flight first
+            # The first push lands on requests that are decoding.
+            until_decoding(reliable, tokens_before, "the clients' requests decoding")
             for v in range(start + 1, start + PUSHES + 1):
                 pushed.append(trainer.pusher.push(trainer.weights.load(v), version=v,
                                                   probe=False).version)
