@@ -57,6 +57,7 @@ DTYPE = torch.bfloat16  # what the server serves, so what goes over the wire
 SIZES = {"10m": (512, 1536, 3), "100m": (1024, 2816, 8), "500m": (2048, 5632, 10)}
 TARGET_TRANSFER, TARGET_TOTAL, TARGET_RSS, TARGET_PER_PARAM = 0.8, 0.4, 3.0, 10.0
 TARGET_NOOP_S = 0.05
+TARGET_PROBE = 0.1  # the probe's share of a push
 
 
 # ------------------------------------------------------------------ trainer model
@@ -126,6 +127,48 @@ def noop_pushes(url: str, token: str, model: torch.nn.Module, version: int, repe
     finally:
         pusher.close()
     return runs
+
+
+def probed_pushes(url: str, token: str, model: torch.nn.Module, version: int, repeats: int,
+                  bucket_mb: float) -> dict[str, float]:
+    """What the probe adds to a dense push, side by side: no probe; the probe
+    as `push()` runs it (its forward while the servers load); and the probe
+    as it ran before (the forward after the commit, then the scoring),
+    rebuilt from the same parts. Medians of `repeats`, interleaved."""
+    from rollout_sidecar.trainer import WeightPusher
+    from rollout_sidecar.trainer.probe import (
+        ProbeForward,
+        probe_push,
+        probe_token_ids,
+        trainer_logprobs,
+    )
+
+    pusher = WeightPusher(url, admin_token=token, transport="gloo", bucket_mb=bucket_mb,
+                          delta=False)
+    runs: dict[str, list[float]] = {"off": [], "during": [], "after": [], "forward": [],
+                                    "scoring": []}
+    try:
+        pusher.push(model, version=version, probe=False)  # connect + allocate: warm-up
+        version += 1
+        for _ in range(repeats):
+            r = pusher.push(model, version=version, probe=False)
+            dense_only(r)
+            runs["off"].append(r.timings["total_s"])
+            r = pusher.push(model, version=version + 1)
+            runs["during"].append(r.timings["total_s"])
+            runs["forward"].append(r.timings["probe_forward_s"])
+            runs["scoring"].append(r.timings["probe_s"])
+            t0 = time.perf_counter()
+            r = pusher.push(model, version=version + 2, probe=False)
+            serving = pusher._serving
+            ids = probe_token_ids(serving.vocab_size, serving.max_model_len)
+            forwarded = ProbeForward(ids, *trainer_logprobs(model, ids, None))
+            probe_push(forwarded, r.version, pusher.replicas, serving, None)
+            runs["after"].append(time.perf_counter() - t0)
+            version += 3
+    finally:
+        pusher.close()
+    return {k: median(v) for k, v in runs.items()}
 
 
 def dense_only(r: Any) -> None:
@@ -305,6 +348,7 @@ class SizeResult:
     largest_tensor: int = 0
     per_param: tuple[float, int] | None = None
     stepped: tuple[SteppedRun, SteppedRun] | None = None  # dense, delta
+    probed: dict[str, float] | None = None  # probed_pushes
     wall_s: float = 0.0
 
 
@@ -331,6 +375,10 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> SizeResult
                                       args.trainer_dtype, args.threads)
             print(f"[{size}] rss bucket {mb:g} MiB: extra "
                   f"{res.rss[mb]['first']['extra'] / MiB:.0f} MiB", flush=True)
+        if size in args.probe_sizes:
+            res.probed = probed_pushes(server.url, server.admin_token, model,
+                                       server.weight_version() + 1, args.repeats, args.bucket_mb)
+            print(f"[{size}] probed push: {res.probed}", flush=True)
         if size in args.per_param_sizes:
             v = server.weight_version() + 1
             res.per_param = per_param_push(server.url, server.admin_token, model, v)
@@ -436,6 +484,17 @@ def report(results: list[SizeResult], args: argparse.Namespace) -> None:
         print("push = begin..commit (total_s; a delta's diff included); push ratio = dense / "
               "delta (> 1: the delta is faster)")
 
+    probed = [r for r in results if r.probed is not None]
+    if probed:
+        print(f"\n== the probe's cost: dense pushes ({args.trainer_dtype} trainer) without it, "
+              f"with it (its forward while the servers load), and as it ran before (forward "
+              f"after the commit); medians of {args.repeats}, interleaved ==")
+        print(table(["size", "no probe s", "probe during s", "probe after s", "forward s",
+                     "scoring s", "cost during", "cost after"],
+                    [[r.size, p["off"], p["during"], p["after"], p["forward"], p["scoring"],
+                      p["during"] / p["off"] - 1, p["after"] / p["off"] - 1]
+                     for r in probed for p in [r.probed]]))
+        print(f"cost = (push with probe) / (push without) - 1; target < {TARGET_PROBE}")
     rows = [[r.size, r.per_param[1], r.per_param[0], r.per_param[0] / r.per_param[1],
              r.push["total_s"], r.per_param[0] / r.push["total_s"]]
             for r in results if r.per_param is not None]
@@ -454,6 +513,8 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=256, help="bucket for the timed pushes")
     ap.add_argument("--rss-buckets", default="16,64,256", help="MiB, comma list; '' skips")
     ap.add_argument("--per-param-sizes", default="100m", help="sizes to run the baseline on")
+    ap.add_argument("--probe-sizes", default="10m,100m",
+                    help="sizes to measure the probe's cost on; '' skips")
     ap.add_argument("--delta-sizes", default="10m,100m",
                     help="sizes to run the delta row on (pushes after AdamW steps); '' skips")
     ap.add_argument("--delta-steps", type=int, default=3)
@@ -469,6 +530,7 @@ def main() -> None:
     sizes = [s for s in args.sizes.split(",") if s]
     args.rss_buckets = [float(x) for x in args.rss_buckets.split(",") if x]
     args.per_param_sizes = {s for s in args.per_param_sizes.split(",") if s}
+    args.probe_sizes = {s for s in args.probe_sizes.split(",") if s}
     args.delta_sizes = {s for s in args.delta_sizes.split(",") if s}
 
     print(f"machine: {machine()}; torch threads in the pushing process: {args.threads}",

@@ -1,9 +1,10 @@
 """The post-push probe: does the server now compute what the trainer computes?
 
-After a commit, every trainer rank runs its own forward pass over one fixed
-token sequence (a collective under FSDP, so all ranks take part in step) and
-rank 0 sends the per-token logprobs to `POST /weights/probe`, where the server
-scores the same tokens under the version just committed and records the gap.
+While the commit runs, every trainer rank runs its own forward pass over one
+fixed token sequence (a collective under FSDP, so all ranks take part in
+step); after it, rank 0 sends the per-token logprobs to `POST /weights/probe`,
+where the server scores the same tokens under the version just committed and
+records the gap.
 
 What it catches that the wire CRCs cannot: a parameter vLLM skipped or
 mis-mapped, a layer whose derived state (a CPU prepack, a fused copy) was not
@@ -22,12 +23,16 @@ their forward on both sides; on a GPU that is milliseconds.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from rollout_sidecar.client.protocol import ProbeRequest, ProbeResult
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins, failures
@@ -39,7 +44,7 @@ from rollout_sidecar.trainer.errors import (
     WeightMismatchError,
     WeightPushError,
 )
-from rollout_sidecar.trainer.rank_agreement import agree
+from rollout_sidecar.trainer.rank_agreement import agree, rank
 
 log = logging.getLogger(__name__)
 PROBE_TOKENS = 64
@@ -65,6 +70,7 @@ DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.05, torch.bfloat16: 0
 FLOOR_FACTOR, FLOOR_MARGIN = 3.0, 0.008
 
 Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+T = TypeVar("T")
 
 
 def drift_tolerance(absolute: float, floor: float | None) -> float | None:
@@ -126,11 +132,32 @@ def trainer_logprobs(model: nn.Module, token_ids: list[int], device: torch.devic
     ids = torch.tensor([token_ids], device=input_device(model, device))
     with _eval(model):
         logits = (forward or hf_forward)(model, ids)
+    reshard(model)
     if hasattr(logits, "full_tensor"):  # a DTensor from a tensor-parallel head
         logits = logits.full_tensor()
     lp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
     picked = lp.gather(-1, ids[0, 1:, None])[:, 0]
     return picked.cpu().tolist(), logits.dtype
+
+
+def reshard(model: nn.Module) -> None:
+    """Free what a forward with no backward left gathered. FSDP2's root and
+    FSDP1's root unit keep their full parameters after a forward, expecting
+    the backward to use them; the probe has none, so every rank would hold
+    the full embedding and head until the next step, the shard copy a delta
+    diffs against could not be refreshed (delta/shard_pieces.py), and FSDP1's
+    next forward would read the kept copy, not the shard. FSDP1 has no public
+    reshard: its own post-forward step, with the free it skips for the root."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._runtime_utils import _reshard as fsdp1_reshard
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+        elif isinstance(module, FullyShardedDataParallel):
+            handle = module._handle
+            if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
+                fsdp1_reshard(module, handle, True)
 
 
 def lost_in_probe(version: int, urls: list[str], results: list, bad: list[int]
@@ -149,20 +176,60 @@ def lost_in_probe(version: int, urls: list[str], results: list, bad: list[int]
     return (ReplicaLostError if lost else WeightPushError)(message, live)
 
 
-def probe_push(model: nn.Module, version: int, replicas: ReplicaAdmins | None,
-               serving: ServingState | None, forward: bool | Forward,
-               tolerance: float | None, device: torch.device | None,
-               floor: float | None = None) -> ProbeResult:
-    """The pusher's probe step, on every rank: each forwards the probe
-    sequence (a collective under FSDP); rank 0 (the one given `replicas` and
-    `serving`, None elsewhere) has every replica compare, and every rank gets
-    the worst replica's result or raises `WeightMismatchError`. Without a
-    `tolerance`, the default is by precision, and a gap well above `floor`
-    passes as drift (`drift_tolerance`)."""
+@dataclass
+class ProbeForward:
+    """The trainer's side of a probe: the sequence and its logprobs under the
+    pushed weights, or the error the forward raised (raised at the probe)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    logits_dtype: torch.dtype | None = None
+    error: Exception | None = None
+    seconds: float = 0.0
+
+
+def commit_with_forward(commit: Callable[[], T], model: nn.Module,
+                        serving: ServingState | None, forward: bool | Forward,
+                        device: torch.device | None) -> tuple[T, ProbeForward]:
+    """Rank 0's `commit` (HTTP round trips while the servers load) on a thread,
+    while every rank runs the probe's forward; then every rank gets the
+    commit's outcome (`agree`) and the forward.
+
+    Why together: the forward depends only on the trainer's weights, which
+    are the pushed ones before the commit starts, and the ranks are idle
+    while the servers load; run after the commit it was the probe's larger
+    half. The forward makes no call to the servers and the commit no
+    collective, so neither waits on the other. A forward that raises is
+    kept and raised at the probe, after the commit's bookkeeping, as before.
+    """
     ids: list[int] = agree(lambda: probe_token_ids(serving.vocab_size, serving.max_model_len)
                            if serving is not None else None)
-    logprobs, logits_dtype = trainer_logprobs(model, ids, device,
-                                              forward if callable(forward) else None)
+    with ThreadPoolExecutor(1, thread_name_prefix="rollout-sidecar-commit") as pool:
+        pending = pool.submit(commit) if rank() == 0 else None
+        forwarded = ProbeForward(ids)
+        t0 = time.perf_counter()
+        try:
+            forwarded.logprobs, forwarded.logits_dtype = trainer_logprobs(
+                model, ids, device, forward if callable(forward) else None)
+        except Exception as e:  # noqa: BLE001 - raised at the probe, after the commit
+            forwarded.error = e
+        forwarded.seconds = time.perf_counter() - t0
+        outcome = agree(lambda: pending.result() if pending is not None else None)
+    return outcome, forwarded
+
+
+def probe_push(forwarded: ProbeForward, version: int, replicas: ReplicaAdmins | None,
+               serving: ServingState | None, tolerance: float | None,
+               floor: float | None = None) -> ProbeResult:
+    """The pusher's probe step, on every rank, with the trainer's forward
+    already run (`commit_with_forward`): rank 0 (the one given `replicas`
+    and `serving`, None elsewhere) has every replica compare, and every rank
+    gets the worst replica's result or raises `WeightMismatchError`. Without
+    a `tolerance`, the default is by precision, and a gap well above `floor`
+    passes as drift (`drift_tolerance`)."""
+    if forwarded.error is not None:
+        raise forwarded.error
+    ids, logprobs, logits_dtype = forwarded.token_ids, forwarded.logprobs, forwarded.logits_dtype
 
     def ask() -> tuple[ProbeResult, str] | None:
         if replicas is None or serving is None:

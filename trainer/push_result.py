@@ -37,12 +37,14 @@ class ReplicaOutcome:
 class PushResult:
     """Timings (seconds): `open_s` (the replicas' status, connect), `begin_s`
     (from the start: open, a delta's diff, begin), `diff_s` (a delta: every
-    rank's diff and the plan), `gather_send_s`, `probe_s`, `total_s` on the
-    trainer; `server_check_s` (the slowest replica's check: receive joined,
-    CRCs checked) and `server_<key>` for each key of the commit's timings
-    (`server_commit_s`: drain + load + publish, and its steps: `drain_s`,
-    `pause_s`, `patch_s`, `load_s`, `finish_s`, `label_s`, `publish_s`,
-    `resume_s`), the slowest replica's each."""
+    rank's diff and the plan), `gather_send_s`, `commit_s` (the commit
+    as rank 0 waited for it, with the probe's forward run meanwhile),
+    `probe_forward_s` (that forward), `probe_s` (the probe after the commit:
+    the replicas' scoring), `total_s` on the trainer; `server_check_s` (the
+    slowest replica's check: receive joined, CRCs checked) and `server_<key>`
+    for each key of the commit's timings (`server_commit_s`: drain + load +
+    publish, and its steps: `drain_s`, `pause_s`, `patch_s`, `load_s`,
+    `finish_s`, `label_s`, `publish_s`, `resume_s`), the slowest replica's each."""
 
     version: int
     nbytes: int

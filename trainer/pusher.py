@@ -14,7 +14,8 @@ A push, in order:
   5. prepare, then commit, on every replica (control/two_phase.py): all or
      nothing across replicas, a refusal before the commit aborts everywhere;
      every rank's shard copy then moves to this version (the next delta's base);
-  6. probe (probe.py): the served logprobs against this trainer's forward.
+     meanwhile every rank runs the probe's forward (the servers are loading);
+  6. probe (probe.py): the served logprobs against that forward.
 Only rank 0 talks to the servers. After steps 2, 3, 5 and 6 the ranks agree on
 the outcome (rank_agreement.py): whatever rank 0 hit is raised on every rank
 at the same point instead of leaving peers blocked in a collective. Every
@@ -51,7 +52,7 @@ from rollout_sidecar.trainer.gather.full_tensors import (
 from rollout_sidecar.trainer.gather.peft_merge import PeftMerge
 from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
 from rollout_sidecar.trainer.pack.sender import BucketSender
-from rollout_sidecar.trainer.probe import Forward, probe_push
+from rollout_sidecar.trainer.probe import Forward, commit_with_forward, probe_push
 from rollout_sidecar.trainer.push_config import PushConfig, probe_arguments
 from rollout_sidecar.trainer.push_plan import PushPlan, drained
 from rollout_sidecar.trainer.push_result import PushResult
@@ -165,9 +166,20 @@ class WeightPusher:
         else:
             checksums, err = self._gather_and_send(model, begun, plan)
         t_sent = time.perf_counter()
-        result: PushResult = agree(lambda: self._commit(begun, checksums, err,
-                                                        opening.restarted)
-                                   if self.rank == 0 else None)
+        if probe is None:  # the pusher's setting, every probe_every-th push
+            probe = self.config.probe if self._pushes % self.config.probe_every == 0 else False
+
+        def commit() -> PushResult | None:
+            return self._commit(begun, checksums, err, opening.restarted) \
+                if self.rank == 0 else None
+
+        forwarded = None
+        if probe and err is None:  # the probe's forward while the servers load
+            result, forwarded = commit_with_forward(commit, model, self._serving
+                                                    if self.rank == 0 else None, probe,
+                                                    self.config.device)
+        else:
+            result = agree(commit)
         t_committed = time.perf_counter()
         if self._delta is not None and opening.keep_copy:  # the next delta's base
             self._delta.committed(model, opening, result.version, plan.delta)
@@ -181,19 +193,19 @@ class WeightPusher:
             result.elements = sum(p.numel for p in plan.delta.plans)
         else:
             result.delta_reason = plan.why_dense
-        if probe is None:  # the pusher's setting, every probe_every-th push
-            probe = self.config.probe if self._pushes % self.config.probe_every == 0 else False
         self._pushes += 1
         floor, self._probe_floor = self._probe_floor, None  # only from the push before
-        if probe:
+        if forwarded is not None:
             tolerance = probe_tolerance or self.config.probe_tolerance
-            result.probe = probe_push(model, result.version, self.replicas,
-                                      self._serving if self.rank == 0 else None, probe,
-                                      tolerance, self.config.device, floor)
+            result.probe = probe_push(forwarded, result.version, self.replicas,
+                                      self._serving if self.rank == 0 else None,
+                                      tolerance, floor)
             if tolerance is None:  # the next push's floor; the same on every rank
                 self._probe_floor = result.probe.mean_abs_dlogp
+        if forwarded is not None:
+            result.timings["probe_forward_s"] = forwarded.seconds
         result.timings.update(open_s=t_opened - t0, begin_s=t_begun - t0,
-                              gather_send_s=t_sent - t_begun,
+                              gather_send_s=t_sent - t_begun, commit_s=t_committed - t_sent,
                               probe_s=time.perf_counter() - t_committed,
                               total_s=time.perf_counter() - t0)
         return result

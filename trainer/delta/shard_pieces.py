@@ -108,7 +108,8 @@ def _fsdp1(model: nn.Module, rank: int) -> list[Piece] | None:
                 continue
         elif not handle.needs_unshard():
             # FSDP1 keeps a unit's gathered parameter after a forward that no
-            # backward follows (the root's, after the probe), and its next
+            # backward follows (the root's, after an eval forward; the probe
+            # frees it: probe.reshard), and its next
             # forward reads that copy: the shard and what the model computes
             # with may differ until a backward frees it. Dense this once.
             return None
