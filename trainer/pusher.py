@@ -174,7 +174,10 @@ class WeightPusher:
                 if self.rank == 0 else None
 
         forwarded = None
-        if probe and err is None:  # the probe's forward while the servers load
+        # The probe's forward while the servers load. On `probe` alone, the
+        # same on every rank (a send error is rank 0's: its commit aborts and
+        # raises, and every rank raises it once the forward is done).
+        if probe:
             result, forwarded = commit_with_forward(commit, model, self._serving
                                                     if self.rank == 0 else None, probe,
                                                     self.config.device)
