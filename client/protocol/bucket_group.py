@@ -44,7 +44,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from rollout_sidecar.client.protocol.signed_store import SignedStore, group_prefix
+from rollout_sidecar.client.protocol.signed_store import (
+    SignedStore,
+    delete_connection_keys,
+    group_prefix,
+)
 
 SENDER_RANK = 0
 CHAIN_CHUNK_BYTES = 16 << 20  # pipelines a 64+ MiB bucket; large enough to send at full speed
@@ -90,7 +94,8 @@ def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_s
     """Blocks until every rank joined or `timeout_s` passes (then raises).
     With `secret` (the connection's), the rendezvous is signed and a tampered
     value raises `RendezvousTampered`; once the group formed, every rank
-    deletes the keys it wrote (signed_store.py). `op_timeout_s`: each later
+    deletes the keys it wrote (signed_store.py); a rank whose unsigned join
+    fails deletes the connection's. `op_timeout_s`: each later
     operation's timeout (default `timeout_s`). `device`: NCCL's device for
     this rank (default: the calling thread's current one)."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -107,6 +112,12 @@ def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_s
     except BaseException:
         if signed is not None:
             signed.delete_written()  # the trainer clears the rest (abort marker, a rogue's)
+        else:
+            # Unsigned (a trainer from before secrets, a bare admin connect):
+            # no rank knows what it wrote and no trainer clears up after a
+            # failed try, so a server that outlives many failed connects
+            # would keep one key per try. The group cannot form now.
+            delete_connection_keys(tcp, connection_id)
         raise
     if signed is not None:
         try:
