@@ -251,7 +251,7 @@ def assert_no_keys_of(server, connection_id: str) -> None:
     store = _data_plane_store(server)
     prefix = group_prefix(connection_id)
     until(lambda: not [k for k in store.list_keys() if k.startswith(prefix)],
-          f"connection {connection_id}'s rendezvous keys deleted: {store.list_keys()}")
+          f"connection {connection_id}'s rendezvous keys ({prefix}*) deleted")
 
 
 def _log(server) -> str:
