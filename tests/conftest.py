@@ -169,5 +169,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if folder(item) in E2E_DIRS or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
-    # Compose last: its images build in the background meanwhile (pytest_collection_finish).
-    items.sort(key=lambda item: folder(item) == "compose")
+    # Modules with neither e2e nor quiet tests first: they run while the first
+    # planned servers start, not at the end, where nothing else is left to
+    # start beside them. Compose last: its images build meanwhile
+    # (pytest_collection_finish).
+    heavy = {item.path for item in items
+             if item.get_closest_marker("e2e") or item.get_closest_marker("quiet")}
+
+    def rank(item: pytest.Item) -> int:
+        return 2 if folder(item) == "compose" else 1 if item.path in heavy else 0
+
+    items.sort(key=rank)

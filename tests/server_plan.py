@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from rollout_sidecar.server.launcher import ServerProcess, launch_server, stop_process
@@ -34,6 +35,9 @@ from rollout_sidecar.server.launcher import ServerProcess, launch_server, stop_p
 # Starts in flight beside the running tests: two keep both cores busy while a
 # test runs on one (a start is single-threaded imports, then a short warm-up).
 LOOKAHEAD = 2
+# No start ahead with less memory than this available (CI's machines: 24 GiB,
+# no swap): a start, then what the running test starts itself, must fit.
+MIN_AVAILABLE_GIB = 5
 # Every test server gets these (see `ServerSpec.full_env`).
 TEST_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1",
             "ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S": "3",
@@ -114,7 +118,7 @@ class ServerPlan:
 
     def prefetch(self) -> None:
         while (self.root is not None and not self.quiet and self.todo
-               and len(self.launched) < self.lookahead):
+               and len(self.launched) < self.lookahead and memory_to_spare()):
             spec = self.todo.pop(0)
             self.launched[spec] = self._launch(spec)
 
@@ -156,6 +160,12 @@ class ServerPlan:
         return launch_server(log=folder / f"{log_name}.log", model=model, dtype=spec.dtype,
                              max_model_len=spec.max_model_len, env=env, wait=False,
                              **overrides)
+
+
+def memory_to_spare() -> bool:
+    """Room for one more start beside what runs now (a ready CPU server holds
+    ~2.5 GiB, a TP-2 one ~4; tests start trainers and servers of their own)."""
+    return psutil.virtual_memory().available >= MIN_AVAILABLE_GIB * 2**30
 
 
 def cache_dir(tmp: Path) -> Path:
