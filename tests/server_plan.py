@@ -57,6 +57,9 @@ class ServerSpec:
     model: str | None = None  # a hub id or a path; None: the embedded default
     family: str | None = None  # a tests/fidelity/zoo family, written before the start
     fault_file: bool = False  # ROLLOUT_SIDECAR_TEST_FAULT_FILE, empty (no fault) at start
+    # Writes what the server needs into its folder before the start (a hub
+    # cache); returns environment for it.
+    prepare: Callable[[Path], Mapping[str, str]] | None = None
 
     @classmethod
     def of(cls, name: str, env: Mapping[str, str] | None = None, **kw: Any) -> ServerSpec:
@@ -149,6 +152,8 @@ class ServerPlan:
             fault = folder / "fault"
             fault.write_text("")
             env["ROLLOUT_SIDECAR_TEST_FAULT_FILE"] = str(fault)
+        if spec.prepare is not None:
+            env.update(spec.prepare(folder))
         model: str | Path | None = spec.model
         if spec.family is not None:
             from tests.fidelity.zoo import write_family

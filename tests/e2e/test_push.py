@@ -54,7 +54,9 @@ def assert_pushed(report: dict, v_before: int) -> None:
     assert report["mean_abs_dlogp_pre"] > 3 * report["mean_abs_dlogp_bf16"], report
 
 
-@pytest.mark.parametrize("mode", ["fsdp2", "fsdp1", "http", "split"])
+# FSDP2 into this bf16 server is test_replicas' push (the same worker, mode
+# fsdp2), and into bf16 families tests/fidelity's; fp32 proves it exact there.
+@pytest.mark.parametrize("mode", ["fsdp1", "http", "split"])
 def test_push_serves_the_stepped_weights(server, tmp_path, mode):
     v = version(server)
     _, report = run_worker(server, mode, v + 1, tmp_path)

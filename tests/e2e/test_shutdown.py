@@ -8,12 +8,23 @@ import threading
 import httpx
 import pytest
 
-from tests.conftest import start_server
+from tests.conftest import ServerSpec, serves, stop_server
 from tests.polling import metric as gauge
 from tests.polling import until
 
 # quiet: the drain is asserted against wall-clock deadlines.
 pytestmark = [pytest.mark.slow, pytest.mark.quiet]
+# Its own server, since the test stops it; planned, so the start overlaps the
+# tests before this quiet one instead of running alone in it.
+DRAIN = ServerSpec("drain")
+
+
+@pytest.fixture
+@serves(DRAIN)
+def drain_server(server_plan):
+    s = server_plan.take(DRAIN)
+    yield s
+    stop_server(s)  # the test's SIGTERM stopped it; this stops it if the test failed first
 
 
 def draining(keepalive: httpx.Client) -> bool:
@@ -24,8 +35,8 @@ def draining(keepalive: httpx.Client) -> bool:
         return True
 
 
-def test_sigterm_drains_in_flight_then_exits(tmp_path):
-    server = start_server(tmp_path, "drain")
+def test_sigterm_drains_in_flight_then_exits(drain_server):
+    server = drain_server
     result: dict = {}
 
     def long_request():

@@ -8,12 +8,14 @@ torch's own full state dict; then again after a sparse update, pushed as a
 delta (trainer/delta/). In bf16 serving the after-push gap must stay at
 the engine's floor (the version-0 gap on the same tokens).
 
-One server per family and dtype, shared by that family's tests.
+One server per family and dtype, shared by that family's tests (CI serves
+all but two: see FULL below).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,15 @@ FSDP1_FAMILIES = {"llama-tied-gqa", "qwen2-tied-bias", "glm4-moe"}
 # prepack, fused checkpoint tensors, MoE prepack); biases and the other
 # families' layouts are proven exact in fp32, where any error shows.
 BF16_FAMILIES = ["llama-tied-gqa", "phi3-fused", "qwen3-moe"]
+# CI serves all but two of these (each is a server start, about a minute of a
+# core): Llama untied + MHA is the default model's family, which test_peft_push
+# proves exact in fp32 from FSDP2 and FSDP1; Qwen3-MoE in bf16 asserts only what
+# its fp32 push proves exactly (its floor ratio is reported, not asserted).
+# ROLLOUT_SIDECAR_FULL_FIDELITY=1 serves them all.
+FULL = os.environ.get("ROLLOUT_SIDECAR_FULL_FIDELITY") == "1"
+FP32_FAMILIES = list(FAMILIES) if FULL else [f for f in FAMILIES if f != "llama-untied-mha"]
+if not FULL:
+    BF16_FAMILIES.remove("qwen3-moe")
 # The floor ratio is asserted for dense models only. In a top-k MoE the bf16
 # floor itself moves with the weights (near-tie routing flips): measured 1.46x
 # for Qwen3-MoE after a step, while pushing its unchanged weights is bit-exact
@@ -57,7 +68,7 @@ def _serve(plan, family: str, dtype: str):
     stop_server(server)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=FP32_FAMILIES)
 @serves(lambda family: family_spec(family, "float32"))
 def fp32_family(request, server_plan):
     yield from _serve(server_plan, request.param, "float32")

@@ -1,6 +1,6 @@
 """The real TRL 1.16 GRPOTrainer generating through a real server
-(trainer/integrations/trl.py): one process, two DDP processes, TRL's own
-VLLMClient.generate, and a LoRA model pushed merged. (accelerate's FSDP2 plugin
+(trainer/integrations/trl.py): a LoRA model pushed merged in one process, two
+DDP processes, and TRL's own VLLMClient.generate. (accelerate's FSDP2 plugin
 on CPU hands TRL a DDP model, so FSDP2 under TRL is not covered here yet.)
 
 Each run (trl_worker.py, a subprocess: TRL and accelerate keep process-wide
@@ -115,15 +115,20 @@ def check(reports: list[dict]) -> None:
     assert max(gaps) < SAMPLING_GAP_TOL, gaps
 
 
-def test_grpo_one_process(srv, tmp_path):
-    reports = run(srv, tmp_path, "one")
+def test_grpo_one_process_lora(srv, tmp_path):
+    """A LoRA model (pushed merged) in one process; the plain model runs in
+    the DDP and VLLMClient runs."""
+    reports = run(srv, tmp_path, "one", "--peft")
     check(reports)
+    assert reports[0]["model_type"] == "PeftModelForCausalLM"
     assert len(reports[0]["pushes"]) == STEPS  # a generation per step: a push per step
 
 
-def test_grpo_steps_per_generation_pushes_only_what_is_read(srv, tmp_path):
-    """Generating every 2 optimizer steps: a push per generation, not per step."""
-    reports = run(srv, tmp_path, "one", "--steps-per-generation", "2", "--batch", "2")
+def test_vllm_client_generating_every_2_steps_pushes_only_what_is_read(srv, tmp_path):
+    """TRL's VLLMClient.generate against /v1/completions, inside GRPOTrainer,
+    generating every 2 optimizer steps: a push per generation, not per step."""
+    reports = run(srv, tmp_path, "one", "--backend", "vllm_client",
+                  "--steps-per-generation", "2", "--batch", "2")
     check(reports)
     assert [p["step"] for p in reports[0]["pushes"]] == [0, 2]
 
@@ -132,17 +137,6 @@ def test_grpo_two_processes_ddp(srv, tmp_path):
     reports = run(srv, tmp_path, "ddp", "--batch", "2")
     check(reports)
     assert all(r["wrapped_type"] == "DistributedDataParallel" for r in reports)
-
-
-def test_vllm_client_generate(srv, tmp_path):
-    """TRL's VLLMClient.generate against /v1/completions, inside GRPOTrainer."""
-    check(run(srv, tmp_path, "one", "--backend", "vllm_client"))
-
-
-def test_grpo_peft_lora(srv, tmp_path):
-    reports = run(srv, tmp_path, "one", "--peft")
-    check(reports)
-    assert reports[0]["model_type"] == "PeftModelForCausalLM"
 
 
 ASYNC_WORKER = Path(__file__).with_name("trl_async_worker.py")
