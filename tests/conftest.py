@@ -4,7 +4,6 @@ rollout_sidecar.server.launcher, the one launcher the demo and benches use too).
 from __future__ import annotations
 
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +98,7 @@ def pytest_collection_finish(session):
         from tests.compose.image_build import BUILD, docker_answers
 
         if docker_answers():
-            BUILD.start(Path(tempfile.mkdtemp(prefix="rollout-sidecar-images-")) / "build.log")
+            BUILD.start()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -171,12 +170,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
     # Modules with neither e2e nor quiet tests first: they run while the first
     # planned servers start, not at the end, where nothing else is left to
-    # start beside them. Compose last: its images build meanwhile
-    # (pytest_collection_finish).
+    # start beside them. Then compose (its images build meanwhile:
+    # pytest_collection_finish), and tests/fidelity last: the suite's most
+    # planned servers (one per family) start beside the tests before it that
+    # leave a core idle (compose waits on its containers, reliability on its
+    # replicas) instead of after them with nothing beside.
     heavy = {item.path for item in items
              if item.get_closest_marker("e2e") or item.get_closest_marker("quiet")}
+    last = {"compose": 2, "fidelity": 3}
 
     def rank(item: pytest.Item) -> int:
-        return 2 if folder(item) == "compose" else 1 if item.path in heavy else 0
+        return last.get(folder(item), 1 if item.path in heavy else 0)
 
     items.sort(key=rank)

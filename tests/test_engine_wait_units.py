@@ -27,8 +27,12 @@ def yields(monkeypatch) -> list[int]:
     return counted
 
 
-def _send_with_gaps() -> list[object]:
-    """MESSAGES through a real queue, 2 ms apart, so the reader waits for each."""
+def _send_with_gaps(spins: list[int] | None = None) -> list[object]:
+    """MESSAGES through a real queue, 2 ms apart, so the reader waits for each.
+    With `spins` (the yields counted), each message is sent only once the
+    reader has yielded since the one before: a loaded machine may deschedule
+    the reader until a message is already there, so a count of yields over
+    fixed gaps measures the scheduler, not the loop (CI once saw 33 for 40)."""
     writer = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1)
     got: list[object] = []
 
@@ -42,6 +46,11 @@ def _send_with_gaps() -> list[object]:
     writer.wait_until_ready()
     for i in range(MESSAGES):
         time.sleep(0.002)
+        if spins is not None:
+            seen, deadline = len(spins), time.monotonic() + 10
+            while len(spins) == seen:  # a reader that naps never yields: this fails
+                assert time.monotonic() < deadline, f"no yield while message {i} was awaited"
+                time.sleep(0.001)
         writer.enqueue(i)
     t.join(60)
     assert not t.is_alive()
@@ -61,5 +70,6 @@ def test_engine_wait_spin_keeps_vllms_loop(yields, monkeypatch):
     monkeypatch.setenv(idle_wait.ENGINE_WAIT_ENV, "spin")
     idle_wait.wait_idle_on_cpu()
     assert not getattr(shm_broadcast.SpinCondition, "naps", False)
-    assert _send_with_gaps() == list(range(MESSAGES))
-    assert len(yields) > MESSAGES  # the reader spun while it waited
+    # The reader spun (sched_yield) while it waited for each message.
+    assert _send_with_gaps(spins=yields) == list(range(MESSAGES))
+    assert len(yields) >= MESSAGES

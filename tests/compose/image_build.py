@@ -4,8 +4,9 @@ session (tests/conftest.py starts it once collection picked the test).
 Why: `deploy/docker/build.sh` on a fresh CI machine builds the base image,
 the wheelhouse and both targets, minutes of mostly one core and disk; run in
 the test itself, nothing overlapped it. Started at collection and waited for
-by the test (which runs last), it overlaps the rest of the suite. A `quiet`
-test waits for it first, like for a server start (tests/server_plan.py).
+by the test (which runs late, before tests/fidelity), it overlaps most of the
+suite. A `quiet` test waits for it first, like for a server start
+(tests/server_plan.py).
 
 A full `bash tests/run.sh` starts it even earlier, beside the venv's pip
 install (one core, minutes, on a fresh machine), in a folder it names in
@@ -19,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,13 +82,17 @@ class ImageBuild:
         self.log: Path | None = None
         self.started = 0.0
 
-    def start(self, log: Path) -> None:
+    def start(self, log: Path | None = None) -> None:
+        """Adopt tests/run.sh's build, or start one logging to `log` (a
+        folder of its own in the temp dir if None)."""
         if self.proc is not None:
             return
         self.started = time.monotonic()
         if (early := started_build()) is not None:  # tests/run.sh's
             self.proc, self.log = early, early.folder / "build.log"
             return
+        if log is None:
+            log = Path(tempfile.mkdtemp(prefix="rollout-sidecar-images-")) / "build.log"
         self.log = log
         with open(log, "w") as f:
             self.proc = subprocess.Popen(["bash", str(BUILD_SH)], stdout=f,
