@@ -103,14 +103,13 @@ def pytest_collection_finish(session):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    PLAN.quiet = item.get_closest_marker("quiet") is not None
-    if PLAN.quiet:
+    quiet = item.get_closest_marker("quiet") is not None
+    PLAN.set_quiet(quiet)
+    if quiet:
         from tests.compose.image_build import BUILD
 
         PLAN.settle()
         BUILD.settle()
-    else:
-        PLAN.prefetch()
 
 
 def pytest_sessionfinish(session):
@@ -120,8 +119,7 @@ def pytest_sessionfinish(session):
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    PLAN.quiet = False
-    PLAN.prefetch()
+    PLAN.set_quiet(False)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,10 +7,14 @@ fixture servers leave a core idle for half an hour.
 
 So fixtures name their server with a `ServerSpec` (`@serves(spec)` on the
 fixture function). Once collection is done, `plan_from(items)` reads which
-of those fixtures the tests will set up and in what order. When a fixture
-takes its server, the plan launches the next `LOOKAHEAD` ones in the
-background (`launch_server(wait=False)`): their starts overlap the tests
-running now, and each is ready, or nearly, when its turn comes.
+of those fixtures the tests will set up and in what order, and the plan
+launches them in that order in the background (`launch_server(wait=False)`):
+`LOOKAHEAD` starts in flight at once, and up to `MAX_AHEAD` servers launched
+and not taken yet, while memory allows. A watcher thread per start launches
+the next one as soon as it is ready, not at the next test's boundary: tests
+that leave a core idle (waiting on replicas, containers, deadlines) then
+fill it with starts, each ready, or nearly, when its turn comes. A ready
+server waiting for its test costs memory, not CPU.
 
 A test marked `quiet` (it asserts about wall-clock time: a deadline, a
 liveness miss, a drain) runs with nothing starting beside it: before it
@@ -22,6 +26,8 @@ without the plan; one that no test took is stopped at the end of the session.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +38,21 @@ import pytest
 
 from rollout_sidecar.server.launcher import ServerProcess, launch_server, stop_process
 
-# Starts in flight beside the running tests: two keep both cores busy while a
-# test runs on one (a start is single-threaded imports, then a short warm-up).
+# Starts in flight at once beside the running tests: two keep both cores busy
+# while a test runs on one (a start is single-threaded imports, then a short
+# warm-up).
 LOOKAHEAD = 2
+# Servers launched ahead and not taken yet, ready or starting.
+MAX_AHEAD = 4
 # No start ahead with less memory than this available (CI's machines: 24 GiB,
-# no swap): a start, then what the running test starts itself, must fit.
+# no swap), plus START_GIB for each start in flight (not yet at its full size):
+# a start, then what the running test starts itself, must fit.
 MIN_AVAILABLE_GIB = 5
+START_GIB = 1.5
 # Every test server gets these (see `ServerSpec.full_env`).
-TEST_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1",
+# KV cache: 0.25 GiB (87k tokens of the default model), ample for every test's
+# batches; VLLM_CPU_KVCACHE_SPACE=1 made each server 1 GiB of resident zeros.
+TEST_ENV = {"ROLLOUT_SIDECAR_KV_CACHE_GIB": "0.25",
             "ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S": "3",
             # Each torchrun worker is a new trainer: no waiting out the last one's lease.
             "ROLLOUT_SIDECAR_CONNECTION_LEASE_S": "1",
@@ -96,12 +109,17 @@ def plan_from(items: Iterable[pytest.Item]) -> list[ServerSpec]:
 class ServerPlan:
     """Launches planned servers ahead; `take` hands one over, ready."""
 
-    def __init__(self, order: list[ServerSpec], lookahead: int = LOOKAHEAD) -> None:
+    def __init__(self, order: list[ServerSpec], lookahead: int = LOOKAHEAD,
+                 max_ahead: int = MAX_AHEAD) -> None:
         self.todo = list(order)  # planned, not launched yet
         self.lookahead = lookahead
+        self.max_ahead = max_ahead
         self.root: Path | None = None  # set by the `server_plan` fixture (pytest's tmp)
         self.launched: dict[ServerSpec, ServerProcess] = {}  # launched, not taken yet
+        self.starting: set[ServerSpec] = set()  # launched ahead, not ready yet (taken or not)
         self.quiet = False
+        # The watcher threads launch too: one lock over todo, launched and starting.
+        self.lock = threading.RLock()
 
     def take(self, spec: ServerSpec, **overrides: Any) -> Any:
         """The server `spec` names, ready (a `tests.conftest.Server`);
@@ -111,33 +129,58 @@ class ServerPlan:
         if overrides:
             proc = self._launch(spec, **overrides)
         else:
-            if spec in self.todo:
-                self.todo.remove(spec)
-            proc = self.launched.pop(spec, None) or self._launch(spec)
+            with self.lock:
+                if spec in self.todo:
+                    self.todo.remove(spec)
+                proc = self.launched.pop(spec, None) or self._launch(spec)
             self.prefetch()
         with proc.stopped_on_error():
             proc.wait_ready(300)
             return as_server(proc, self.folder(spec))
 
     def prefetch(self) -> None:
-        while (self.root is not None and not self.quiet and self.todo
-               and len(self.launched) < self.lookahead and memory_to_spare()):
-            spec = self.todo.pop(0)
-            self.launched[spec] = self._launch(spec)
+        with self.lock:
+            while (self.root is not None and not self.quiet and self.todo
+                   and len(self.starting) < self.lookahead
+                   and len(self.launched) < self.max_ahead
+                   and memory_to_spare(len(self.starting))):
+                spec = self.todo.pop(0)
+                proc = self._launch(spec)
+                self.launched[spec] = proc
+                self.starting.add(spec)
+                threading.Thread(target=self._watch, args=(spec, proc), daemon=True,
+                                 name=f"plan-{spec.name}").start()
 
-    def settle(self) -> None:
+    def _watch(self, spec: ServerSpec, proc: ServerProcess) -> None:
+        """Wait for a start ahead, then launch the next one."""
+        try:
+            proc.wait_ready(300)
+        except Exception:  # noqa: BLE001 - the test that takes it reports it
+            pass
+        with self.lock:
+            self.starting.discard(spec)
+        self.prefetch()
+
+    def set_quiet(self, quiet: bool) -> None:
+        """A `quiet` test is next (True: nothing launches from now on) or done."""
+        with self.lock:  # no launch is half done past this point
+            self.quiet = quiet
+        if not quiet:
+            self.prefetch()
+
+    def settle(self, timeout_s: float = 300) -> None:
         """Wait for the starts in flight (before a `quiet` test)."""
-        for proc in self.launched.values():
-            if proc.proc.poll() is None:
-                try:
-                    proc.wait_ready(300)
-                except Exception:  # noqa: BLE001 - the test that takes it reports it
-                    pass
+        deadline = time.monotonic() + timeout_s
+        while self.starting and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def close(self) -> None:
-        for proc in self.launched.values():
-            stop_process(proc.proc)
-        self.launched.clear()
+        with self.lock:
+            self.todo.clear()
+            self.root = None  # a watcher that wakes now launches nothing
+            for proc in self.launched.values():
+                stop_process(proc.proc)
+            self.launched.clear()
 
     def folder(self, spec: ServerSpec) -> Path:
         assert self.root is not None, "take servers through the server_plan fixture"
@@ -167,11 +210,13 @@ class ServerPlan:
                              **overrides)
 
 
-def memory_to_spare() -> bool:
-    """Room for one more start beside what runs now (a ready CPU server of the
-    default model holds 2.45 GiB PSS, measured; a TP-2 one has a worker more;
-    tests start trainers and servers of their own)."""
-    return psutil.virtual_memory().available >= MIN_AVAILABLE_GIB * 2**30
+def memory_to_spare(starting: int = 0) -> bool:
+    """Room for one more start beside what runs now and the `starting` ones
+    (a ready CPU server of the default model holds about 1.7 GiB PSS with
+    TEST_ENV's KV cache, measured; a TP-2 one has a worker more; tests start
+    trainers and servers of their own)."""
+    need = MIN_AVAILABLE_GIB + START_GIB * starting
+    return psutil.virtual_memory().available >= need * 2**30
 
 
 def cache_dir(tmp: Path) -> Path:

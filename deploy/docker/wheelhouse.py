@@ -10,6 +10,8 @@ Writes into DEPS_DIR:
                               used for online builds (the GPU image) when no
                               lock exists for that extra
   .resolve-key                what the lock was resolved from
+  uv-*.whl                    the installer the image build runs (not in the
+                              lock: it never reaches the image)
 
 Resolution is the host pip's (`pip install --dry-run --report`), so it must
 run on the image's platform: Linux x86_64, CPython 3.11. It is skipped while
@@ -57,6 +59,14 @@ def pip(*args: str, quiet: bool = True) -> None:
         raise SystemExit(f"wheelhouse: failed: {' '.join(cmd)}")
 
 
+def fetch_installer(deps: Path) -> None:
+    """uv's wheel, once: the image build installs the lock with it (every core)
+    instead of pip (one core), and falls back to pip where it is missing."""
+    if not any(deps.glob("uv-*.whl")):
+        pip("download", "--no-deps", "--only-binary", ":all:", "--quiet", "--dest", str(deps),
+            "uv")
+
+
 def top_level(pyproject: Path, extras: list[str]) -> list[str]:
     project = tomllib.loads(pyproject.read_text())["project"]
     reqs = list(project.get("dependencies", []))
@@ -94,6 +104,7 @@ def main() -> None:
                 continue  # up to date: nothing to resolve or download
         resolve(wheel, extras, deps, lock)
         key_file.write_text(key + "\n")
+    fetch_installer(deps)
 
 
 def resolve(wheel: Path, extras: list[str], deps: Path, lock: Path) -> None:
@@ -141,7 +152,7 @@ def resolve(wheel: Path, extras: list[str], deps: Path, lock: Path) -> None:
             + "\n".join(sorted(pins, key=str.lower)) + "\n")
         # Wheels of older resolutions are dead weight in the build context.
         for f in deps.glob("*.whl"):
-            if f.name not in wanted:
+            if f.name not in wanted and not f.name.startswith("uv-"):
                 f.unlink()
 
 
