@@ -126,6 +126,7 @@ def pytest_runtest_logfinish(nodeid, location):
 def server_plan(tmp_path_factory):
     PLAN.root = tmp_path_factory.mktemp("servers")
     PLAN.prefetch()
+    PLAN.start_monitor()
     yield PLAN
     PLAN.close()
 

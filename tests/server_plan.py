@@ -7,13 +7,18 @@ fixture servers leave a core idle for half an hour.
 
 So fixtures name their server with a `ServerSpec` (`@serves(spec)` on the
 fixture function). Once collection is done, `plan_from(items)` reads which
-of those fixtures the tests will set up and in what order, and the plan
-launches them in that order in the background (`launch_server(wait=False)`):
-`LOOKAHEAD` starts in flight at once, and up to `MAX_AHEAD` servers launched
-and not taken yet, while memory allows. A watcher thread per start launches
-the next one as soon as it is ready, not at the next test's boundary: tests
-that leave a core idle (waiting on replicas, containers, deadlines) then
-fill it with starts, each ready, or nearly, when its turn comes. A ready
+of those fixtures the tests will set up and in what order. When a fixture
+takes its server, the plan launches the next `LOOKAHEAD` ones in the
+background (`launch_server(wait=False)`): their starts overlap the tests
+running now, and each is ready, or nearly, when its turn comes.
+
+Some tests leave a core idle for minutes (they wait on replicas, containers,
+a frozen server). A monitor thread samples the machine's CPU every
+`MONITOR_S`; while less than `IDLE_BUSY` of it is busy, it launches more
+servers ahead, up to `MAX_AHEAD` waiting, as memory allows. Starts are
+pulled into idle time only: launching everything early would move them into
+busy stretches instead (in one full run, keeping two starts in flight at
+all times took 2 minutes longer and left the idle tail no fuller). A ready
 server waiting for its test costs memory, not CPU.
 
 A test marked `quiet` (it asserts about wall-clock time: a deadline, a
@@ -27,9 +32,9 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +43,15 @@ import pytest
 
 from rollout_sidecar.server.launcher import ServerProcess, launch_server, stop_process
 
-# Starts in flight at once beside the running tests: two keep both cores busy
-# while a test runs on one (a start is single-threaded imports, then a short
-# warm-up).
+# Servers launched ahead, not taken yet: the next two always start beside the
+# running tests (two keep both cores busy while a test runs on one; a start is
+# single-threaded imports, then a short warm-up).
 LOOKAHEAD = 2
-# Servers launched ahead and not taken yet, ready or starting.
+# ...and up to this many while the cores idle (the monitor), memory allowing.
 MAX_AHEAD = 4
+# The monitor's period, and the machine's busy share under which it fills idle.
+MONITOR_S = 2.0
+IDLE_BUSY = 0.7
 # No start ahead with less memory than this available (CI's machines: 24 GiB,
 # no swap), plus START_GIB for each start in flight (not yet at its full size):
 # a start, then what the running test starts itself, must fit.
@@ -116,10 +124,12 @@ class ServerPlan:
         self.max_ahead = max_ahead
         self.root: Path | None = None  # set by the `server_plan` fixture (pytest's tmp)
         self.launched: dict[ServerSpec, ServerProcess] = {}  # launched, not taken yet
-        self.starting: set[ServerSpec] = set()  # launched ahead, not ready yet (taken or not)
+        self.ready: set[ServerSpec] = set()  # launched ones the monitor saw ready
         self.quiet = False
-        # The watcher threads launch too: one lock over todo, launched and starting.
+        # The monitor launches too: one lock over todo, launched and ready.
         self.lock = threading.RLock()
+        self.stopping = threading.Event()
+        self.monitor: threading.Thread | None = None
 
     def take(self, spec: ServerSpec, **overrides: Any) -> Any:
         """The server `spec` names, ready (a `tests.conftest.Server`);
@@ -132,6 +142,7 @@ class ServerPlan:
             with self.lock:
                 if spec in self.todo:
                     self.todo.remove(spec)
+                self.ready.discard(spec)
                 proc = self.launched.pop(spec, None) or self._launch(spec)
             self.prefetch()
         with proc.stopped_on_error():
@@ -139,27 +150,52 @@ class ServerPlan:
             return as_server(proc, self.folder(spec))
 
     def prefetch(self) -> None:
+        """Launch the next ones until `LOOKAHEAD` wait untaken."""
         with self.lock:
             while (self.root is not None and not self.quiet and self.todo
-                   and len(self.starting) < self.lookahead
-                   and len(self.launched) < self.max_ahead
-                   and memory_to_spare(len(self.starting))):
-                spec = self.todo.pop(0)
-                proc = self._launch(spec)
-                self.launched[spec] = proc
-                self.starting.add(spec)
-                threading.Thread(target=self._watch, args=(spec, proc), daemon=True,
-                                 name=f"plan-{spec.name}").start()
+                   and len(self.launched) < self.lookahead and memory_to_spare()):
+                self._launch_next("next")
 
-    def _watch(self, spec: ServerSpec, proc: ServerProcess) -> None:
-        """Wait for a start ahead, then launch the next one."""
-        try:
-            proc.wait_ready(300)
-        except Exception:  # noqa: BLE001 - the test that takes it reports it
-            pass
+    def fill_idle(self, busy: float) -> bool:
+        """One more start ahead if the cores idle (`busy` below `IDLE_BUSY`),
+        fewer than `LOOKAHEAD` starts are in flight, fewer than `MAX_AHEAD`
+        servers wait, and memory allows; True if it launched one."""
         with self.lock:
-            self.starting.discard(spec)
-        self.prefetch()
+            starting = [spec for spec in self.launched if spec not in self.ready]
+            if (self.root is None or self.quiet or not self.todo or busy >= IDLE_BUSY
+                    or len(starting) >= self.lookahead
+                    or len(self.launched) >= self.max_ahead
+                    or not memory_to_spare(len(starting))):
+                return False
+            self._launch_next(f"idle cores, {busy:.0%} busy")
+            return True
+
+    def _launch_next(self, why: str) -> None:
+        spec = self.todo.pop(0)
+        self.launched[spec] = self._launch(spec)
+        if self.root is not None:  # which starts filled idle time, for the run's record
+            with open(self.root / "plan.log", "a") as log:
+                log.write(f"{datetime.now():%H:%M:%S} {spec.name}: {why}\n")
+
+    def start_monitor(self) -> None:
+        self.monitor = threading.Thread(target=self._monitor, daemon=True, name="server-plan")
+        self.monitor.start()
+
+    def _monitor(self) -> None:
+        """Every MONITOR_S: note which starts are ready, then fill idle cores.
+        Waits on an Event, not `time.sleep`, which unit tests replace."""
+        before = psutil.cpu_times()
+        while not self.stopping.wait(MONITOR_S):
+            now = psutil.cpu_times()
+            busy, before = busy_share(before, now), now
+            with self.lock:
+                pending = [(s, p) for s, p in self.launched.items() if s not in self.ready]
+            for spec, proc in pending:
+                if proc.is_ready():
+                    with self.lock:
+                        if spec in self.launched:
+                            self.ready.add(spec)
+            self.fill_idle(busy)
 
     def set_quiet(self, quiet: bool) -> None:
         """A `quiet` test is next (True: nothing launches from now on) or done."""
@@ -168,16 +204,23 @@ class ServerPlan:
         if not quiet:
             self.prefetch()
 
-    def settle(self, timeout_s: float = 300) -> None:
+    def settle(self) -> None:
         """Wait for the starts in flight (before a `quiet` test)."""
-        deadline = time.monotonic() + timeout_s
-        while self.starting and time.monotonic() < deadline:
-            time.sleep(0.2)
+        with self.lock:
+            launched = list(self.launched.values())
+        for proc in launched:
+            if proc.proc.poll() is None:
+                try:
+                    proc.wait_ready(300)
+                except Exception:  # noqa: BLE001 - the test that takes it reports it
+                    pass
 
     def close(self) -> None:
+        self.stopping.set()
+        if self.monitor is not None:
+            self.monitor.join(30)
         with self.lock:
             self.todo.clear()
-            self.root = None  # a watcher that wakes now launches nothing
             for proc in self.launched.values():
                 stop_process(proc.proc)
             self.launched.clear()
@@ -217,6 +260,13 @@ def memory_to_spare(starting: int = 0) -> bool:
     trainers and servers of their own)."""
     need = MIN_AVAILABLE_GIB + START_GIB * starting
     return psutil.virtual_memory().available >= need * 2**30
+
+
+def busy_share(before: Any, now: Any) -> float:
+    """The machine's busy share of CPU time between two `psutil.cpu_times()`."""
+    total = sum(now) - sum(before)
+    idle = (now.idle - before.idle) + (getattr(now, "iowait", 0) - getattr(before, "iowait", 0))
+    return 1 - idle / total if total > 0 else 1.0
 
 
 def cache_dir(tmp: Path) -> Path:

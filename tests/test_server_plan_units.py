@@ -1,29 +1,35 @@
 """Units for tests/server_plan.py's look-ahead, with fake starts (no engine):
-a start that becomes ready launches the next at once, at most `LOOKAHEAD`
-starts are in flight and `MAX_AHEAD` servers wait untaken, a `quiet` test
-launches nothing, and memory holds starts back."""
+the next `LOOKAHEAD` servers always start; more start only while the cores
+idle, up to `MAX_AHEAD` waiting, never during a `quiet` test, never past the
+memory guard; the monitor sees starts become ready and fills idle by itself."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
 
 from tests import server_plan
-from tests.server_plan import ServerPlan, ServerSpec
+from tests.server_plan import IDLE_BUSY, ServerPlan, ServerSpec, busy_share
+
+IDLE, BUSY = IDLE_BUSY - 0.2, IDLE_BUSY + 0.1
 
 
 class FakeStart:
-    """A launched server whose start ends when the test says so."""
+    """A launched server that is ready when the test says so."""
 
     def __init__(self) -> None:
-        self.ready = threading.Event()
-        self.proc = self  # stop_process(proc.proc) gets this
+        self.up = threading.Event()
+        self.proc = self  # stop_process(proc.proc) and proc.proc.poll() get this
+
+    def is_ready(self) -> bool:
+        return self.up.is_set()
 
     def wait_ready(self, timeout_s: float = 300) -> None:
-        assert self.ready.wait(timeout_s), "fake start never became ready"
+        assert self.up.wait(timeout_s), "fake start never became ready"
 
     def poll(self) -> int | None:
         return None
@@ -43,66 +49,54 @@ def plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     p = ServerPlan([ServerSpec(f"s{i}") for i in range(8)], lookahead=2, max_ahead=4)
     p.root = tmp_path
     yield p, starts
-    for s in starts.values():
-        s.ready.set()
     p.close()
 
 
-def until(cond, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met within 10 s"
-        time.sleep(0.01)
+def ready(p: ServerPlan, starts: dict[str, FakeStart], *names: str) -> None:
+    for name in names:  # what the monitor does when it sees them ready
+        starts[name].up.set()
+        p.ready.add(ServerSpec(name))
 
 
-def test_a_ready_start_launches_the_next_without_waiting_for_a_test(plan):
+def test_the_next_servers_always_start_and_more_only_on_idle_cores(plan):
     p, starts = plan
     p.prefetch()
-    assert sorted(starts) == ["s0", "s1"]  # two in flight, no more
-    starts["s0"].ready.set()  # no test boundary in between: the watcher launches
-    until(lambda: "s2" in starts)
-    assert "s3" not in starts
-    starts["s1"].ready.set()
-    starts["s2"].ready.set()
-    until(lambda: "s3" in starts)
-    # Four launched and untaken (three ready, one starting): the cap holds.
-    time.sleep(0.2)
+    assert sorted(starts) == ["s0", "s1"]
+    ready(p, starts, "s0", "s1")
+    assert not p.fill_idle(BUSY) and sorted(starts) == ["s0", "s1"]
+    assert p.fill_idle(IDLE) and p.fill_idle(IDLE)  # s2, s3
+    assert not p.fill_idle(IDLE)  # two starts in flight: no third
+    ready(p, starts, "s2", "s3")
+    assert not p.fill_idle(IDLE)  # MAX_AHEAD (4) wait untaken
     assert sorted(starts) == ["s0", "s1", "s2", "s3"]
     with p.lock:  # a test takes s0 (what `take` does, without the engine)
         p.launched.pop(ServerSpec("s0"))
-    p.prefetch()
-    assert "s4" in starts
+    assert p.fill_idle(IDLE) and "s4" in starts
 
 
-def test_a_quiet_test_launches_nothing_and_waits_for_starts_in_flight(plan):
+def test_a_quiet_test_launches_nothing(plan):
     p, starts = plan
     p.prefetch()
+    ready(p, starts, "s0", "s1")
     p.set_quiet(True)
-    settled = threading.Thread(target=p.settle)
-    settled.start()
-    time.sleep(0.1)
-    assert settled.is_alive()  # s0 and s1 are still starting
-    starts["s0"].ready.set()
-    starts["s1"].ready.set()
-    settled.join(10)
-    assert not settled.is_alive()
-    time.sleep(0.2)
-    assert sorted(starts) == ["s0", "s1"]  # the watchers launched nothing while quiet
+    p.settle()
+    assert not p.fill_idle(IDLE) and sorted(starts) == ["s0", "s1"]
     p.set_quiet(False)
-    assert sorted(starts) == ["s0", "s1", "s2", "s3"]
+    assert p.fill_idle(IDLE)
 
 
 def test_no_start_ahead_without_memory_for_it(plan, monkeypatch):
     p, starts = plan
+    p.prefetch()
+    ready(p, starts, "s0")
     seen: list[int] = []
 
     def spare(starting: int = 0) -> bool:
         seen.append(starting)
-        return starting < 1  # room for one start at a time
+        return False
 
     monkeypatch.setattr(server_plan, "memory_to_spare", spare)
-    p.prefetch()
-    assert sorted(starts) == ["s0"] and seen == [0, 1]
+    assert not p.fill_idle(IDLE) and seen == [1]  # s1's start in flight counted
 
 
 def test_memory_to_spare_counts_each_start_in_flight(monkeypatch):
@@ -114,10 +108,33 @@ def test_memory_to_spare_counts_each_start_in_flight(monkeypatch):
     assert not server_plan.memory_to_spare(2)
 
 
-def test_closing_stops_the_watchers_from_launching(plan):
+Times = namedtuple("Times", "user system idle iowait")
+
+
+def test_busy_share_counts_idle_and_iowait_as_not_busy():
+    assert busy_share(Times(0, 0, 0, 0), Times(30, 10, 50, 10)) == pytest.approx(0.4)
+    assert busy_share(Times(1, 1, 1, 1), Times(1, 1, 1, 1)) == 1.0  # no time passed
+
+
+def test_the_monitor_sees_starts_ready_and_fills_idle_cores(plan, monkeypatch):
     p, starts = plan
+    clock = iter(range(10**6))
+
+    def idle_machine() -> Times:  # 10% busy between any two samples
+        t = next(clock)
+        return Times(t, 0, 9 * t, 0)
+
+    monkeypatch.setattr(server_plan.psutil, "cpu_times", idle_machine)
+    monkeypatch.setattr(server_plan, "MONITOR_S", 0.01)
     p.prefetch()
+    starts["s0"].up.set()
+    starts["s1"].up.set()
+    p.start_monitor()
+    deadline = time.monotonic() + 10
+    while len(starts) < 4:
+        assert time.monotonic() < deadline, f"the monitor launched only {sorted(starts)}"
+        threading.Event().wait(0.01)
     p.close()
-    starts["s0"].ready.set()
-    time.sleep(0.2)
-    assert sorted(starts) == ["s0", "s1"]
+    launched = sorted(starts)
+    threading.Event().wait(0.1)
+    assert sorted(starts) == launched == ["s0", "s1", "s2", "s3"]  # none after close
