@@ -20,9 +20,12 @@ import torch.distributed as dist
 from rollout_sidecar.client.protocol.bucket_group import broadcast_group
 from rollout_sidecar.trainer.collectives import settled
 from rollout_sidecar.trainer.control import replica_admins
+from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
+from rollout_sidecar.trainer.errors import WeightPushError
 from rollout_sidecar.trainer.release import close_parts, close_when_gone
 from rollout_sidecar.trainer.transport.distributed import DistributedTransport
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,18 +118,36 @@ class _Part:
     release = close
 
 
-def test_a_pusher_never_closed_is_closed_once_collected(caplog) -> None:
+def test_a_pusher_never_closed_is_closed_once_collected_off_the_collecting_thread(caplog
+                                                                                ) -> None:
+    """A collection runs in whichever thread allocated (a training step,
+    another trainer's push), and the close can wait on HTTP and on a join
+    given up on: it runs in a thread of its own, never in the collector's."""
+
     class Owner:
         pass
 
-    transport, replicas, sender = _Part(fails=True), _Part(), _Part()
+    let_close = threading.Event()
+
+    class SlowTransport(_Part):  # a join given up on still running
+        def close(self) -> None:
+            self.thread = threading.current_thread()
+            assert let_close.wait(30)
+            super().close()
+
+    transport, replicas, sender = SlowTransport(fails=True), _Part(), _Part()
     owner = Owner()
     close_when_gone(owner, transport, replicas, sender)
     assert transport.closed == 0
-    del owner  # e.g. a pusher local to main(), which returned
-    assert transport.closed == 1 and "server gone" in caplog.text  # logged, not raised
+    del owner  # e.g. a pusher local to main(), which returned; or a GC pass
+    assert transport.closed == 0  # returned while the close still waits
+    let_close.set()
+    until(lambda: sender.closed == 1, "the collected pusher's parts closed")
+    assert transport.closed == 1 and replicas.closed == 1
+    assert transport.thread is not threading.current_thread()
+    assert "server gone" in caplog.text  # logged, not raised
     close_parts(None, replicas, sender)  # rank > 0: no transport, no replicas
-    assert sender.closed == 1
+    assert sender.closed == 2
 
 
 def test_a_pusher_alive_at_exit_is_closed_before_finalization() -> None:
@@ -204,3 +225,35 @@ def test_close_waits_for_a_join_given_up_on_and_ends_the_group_it_formed() -> No
     assert not joining.is_alive() and len(closed) == 1 and "group" not in out
     transport.close()  # idempotent
     assert len(closed) == 1
+
+
+def test_a_refused_connect_ends_its_own_join_at_once_and_leaves_nothing() -> None:
+    """A replica refuses the connect (another trainer holds its lease), so
+    nobody will ever join: the trainer's join thread stops on the abort marker
+    within a poll, not after `join_s`, so no thread is left for `close()`, or
+    the finalizer of a pusher nobody closed, to wait out; the store keeps no
+    key of the connection. Real TCPStore and gloo join; a fake replica."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    before = master.num_keys()
+    replicas = ReplicaAdmins("http://127.0.0.1:1", token=None,
+                             deadlines=Deadlines(stall_s=60.0, join_s=120.0))
+
+    class Refusing(_Admin):
+        def connect(self, *args, **kwargs):
+            time.sleep(0.5)  # our join is waiting in the store by now
+            raise WeightPushError("another trainer is pushing to this server")
+
+    class Status:
+        data_plane_ranks, data_plane_port, connected = 1, master.port, None
+
+    replicas.admins = [Refusing("http://127.0.0.1:1")]
+    transport = DistributedTransport(replicas)
+    threads = set(threading.enumerate())
+    with pytest.raises(WeightPushError, match="another trainer is pushing"):
+        transport.ensure_connected([Status()])
+    # Our join ended within the stall bound it is given (60 s), far short of its
+    # own timeout (120 s): nothing given up on, no thread left behind.
+    assert transport._abandoned == [] and set(threading.enumerate()) <= threads
+    assert master.num_keys() == before, master.list_keys()
+    transport.close()

@@ -9,11 +9,22 @@ the interpreter is whole, before finalization: what ending the gloo group
 needs (its threads join there; client/protocol/bucket_group.py,
 `close_group`). The finalizer holds the pusher's parts, never the pusher, so
 it keeps nothing alive; every part's close is idempotent.
+
+Where the close runs: a collected pusher is finalized in whichever thread the
+collection happened, often one that merely allocated (a training step, a
+rollout, another pusher's push), and closing waits on HTTP and on threads (a
+join given up on ends by its own timeout). Run there, it froze that thread:
+in a test, another trainer's commit waited 93 s inside a GC pass. So a
+collected pusher is closed in a thread of its own, not a daemon, so the
+interpreter waits for it at exit; at exit itself (atexit, no new threads
+then) the close runs where it is called.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import weakref
 from typing import Any
 
@@ -22,19 +33,42 @@ log = logging.getLogger(__name__)
 
 def close_parts(transport: Any, replicas: Any, sender: Any) -> None:
     """Release the connection on every replica and end our side of the data
-    plane (transport), close the HTTP clients, free the send buffers."""
-    if transport is not None:
-        transport.close()
-    if replicas is not None:
-        replicas.close()
-    sender.release()
+    plane (transport), close the HTTP clients, free the send buffers. Each
+    part is closed whatever the one before did; the first error is raised."""
+    first: Exception | None = None
+    for part, how in ((transport, "close"), (replicas, "close"), (sender, "release")):
+        if part is None:
+            continue
+        try:
+            getattr(part, how)()
+        except Exception as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def _close_now(transport: Any, replicas: Any, sender: Any) -> None:
+    try:
+        close_parts(transport, replicas, sender)
+    except Exception as e:  # unasked: say so, never raise
+        log.warning("closing a weight pusher nobody closed: %s: %s", type(e).__name__, e)
+
+
+def _at_exit() -> bool:
+    # threading's shutdown marks the main thread stopped before the atexit
+    # hooks run (weakref.finalize's among them), and threads cannot finish then.
+    return not threading.main_thread().is_alive() or sys.is_finalizing()
 
 
 def _close_unclosed(transport: Any, replicas: Any, sender: Any) -> None:
-    try:
-        close_parts(transport, replicas, sender)
-    except Exception as e:  # at exit: say so, never raise
-        log.warning("closing a weight pusher nobody closed: %s: %s", type(e).__name__, e)
+    if not _at_exit():
+        try:
+            threading.Thread(target=_close_now, args=(transport, replicas, sender),
+                             name="rollout-sidecar-close-unclosed-pusher").start()
+            return
+        except RuntimeError:  # no new threads once the interpreter is shutting down
+            pass
+    _close_now(transport, replicas, sender)
 
 
 def close_when_gone(owner: object, transport: Any, replicas: Any, sender: Any

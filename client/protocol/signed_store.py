@@ -37,7 +37,11 @@ POLL_S = 0.05
 _TAG = 32
 
 
-class RendezvousTampered(RuntimeError):
+class RendezvousAborted(RuntimeError):
+    """A rank (or the trainer, giving up a connect) wrote the abort marker."""
+
+
+class RendezvousTampered(RendezvousAborted):
     """A value in the rendezvous store was not written by this connection."""
 
 
@@ -82,9 +86,11 @@ class SignedStore(dist.Store):
     def abort(self, reason: str) -> None:
         """Tell the other ranks to stop waiting (best effort). Not in
         `written`: it must outlive this rank's clean-up, so the trainer
-        deletes it once every rank gave up (`delete_connection_keys`)."""
+        deletes it once every rank gave up (`delete_connection_keys`). The
+        first marker stays: a later one (a trainer giving up because a rank
+        aborted) must not hide why the first rank did."""
         with contextlib.suppress(Exception):
-            self._inner.set(ABORT_KEY, self._sign(ABORT_KEY, reason.encode()))
+            self._inner.compare_set(ABORT_KEY, b"", self._sign(ABORT_KEY, reason.encode()))
 
     # ------------------------------------------------------ Store methods
 
@@ -118,7 +124,8 @@ class SignedStore(dist.Store):
         while not self._inner.check(list(keys)):
             if self._inner.check([ABORT_KEY]):
                 why = self._open(ABORT_KEY, _bytes(self._inner.get(ABORT_KEY))).decode()
-                raise RendezvousTampered(f"rendezvous aborted by another rank: {why}")
+                kind = RendezvousTampered if TAMPERED in why else RendezvousAborted
+                raise kind(f"rendezvous aborted by another rank: {why}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"data-plane rendezvous at {self._where}: keys {keys} not "
                                    f"written within {limit:.0f}s (a rank never joined)")
@@ -157,6 +164,15 @@ def delete_connection_keys(store: Any, connection_id: str) -> int:
             if key.startswith(prefix):
                 gone += bool(store.delete_key(key))
     return gone
+
+
+def abort_connection(store: Any, connection_id: str, secret: bytes, where: str,
+                     reason: str) -> None:
+    """Write a connection's signed abort marker from outside its ranks: a
+    trainer whose connect failed (a replica refused it) ends its own join, and
+    any replica's, within a poll rather than at the join's timeout."""
+    SignedStore(dist.PrefixStore(group_prefix(connection_id), store), secret, where,
+                timeout_s=0).abort(reason)
 
 
 def group_prefix(connection_id: str) -> str:

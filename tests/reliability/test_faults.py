@@ -79,6 +79,7 @@ def test_a_second_trainer_is_refused_while_the_first_pushes(reliable, trainer):
     v = served_version(reliable) + 1
     assert other.push(trainer.weights.load(v), version=v).version == v
     assert push_next(reliable, trainer).version == v + 1
+    other.close()
     assert_settled(reliable, v + 1)
 
 
@@ -98,6 +99,7 @@ def test_a_takeover_is_clean_for_both_trainers(reliable, trainer):
     assert r.status_code == 409 and "taken over" in r.json()["error"], r.text
     # ...and its pusher reconnects once the new owner's lease runs out.
     assert push_next(reliable, trainer).version == v + 1
+    other.close()
     assert trainer.pusher.transport.connection_id != old_connection
     assert_settled(reliable, v + 1)
 

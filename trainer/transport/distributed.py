@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -36,7 +37,11 @@ from rollout_sidecar.client.protocol.bucket_group import (
     send_bucket,
 )
 from rollout_sidecar.client.protocol.bucket_mac import PushMacs, new_secret
-from rollout_sidecar.client.protocol.signed_store import TAMPERED, delete_connection_keys
+from rollout_sidecar.client.protocol.signed_store import (
+    TAMPERED,
+    abort_connection,
+    delete_connection_keys,
+)
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
 from rollout_sidecar.trainer.transport.registry import sender
@@ -53,6 +58,9 @@ DISCONNECT_TIMEOUT_S = 5.0
 # connection id and secret: a rogue that overwrites every key blocks them all,
 # and then the push fails saying so instead of retrying forever.
 CONNECT_TRIES = 3
+# How long an abort marker stays before it is deleted: every rank polls for it
+# every POLL_S (0.05 s), a busy replica's rank less often.
+ABORT_SEEN_S = 1.0
 
 
 @sender("gloo", "nccl")
@@ -169,38 +177,48 @@ class DistributedTransport:
                 store=None if i == 0 else (store_host, store_port), fanout=self.fanout,
                 secret=secret, bucket_macs=self.authenticate_buckets), "connect")
         except WeightPushError as e:
-            # A tampered rendezvous aborts every rank within a poll; any other
-            # failure leaves our join to end by its own timeout, in the background.
-            joining.join(self.replicas.deadlines.stall_s)
-            self._clean_store(store_host, store_port, conn_id)
-            self._give_up(joining, out)  # a group it forms later: see close()
-            if "group" in out:
-                out.pop("group").close()
+            self._end_rendezvous(joining, out, store_host, store_port, conn_id, secret, e)
             join_error = out.get("join_error")
             if join_error is not None and TAMPERED in str(join_error):
                 raise WeightPushError(f"{e}; and this trainer's join: {join_error}") from e
             raise
         joining.join(join_s)
-        if "group" not in out:  # an abandoned join ends by its own timeout
+        if "group" not in out:
             e = out.get("join_error")
-            self._clean_store(store_host, store_port, conn_id)
-            self._give_up(joining, out)
+            self._end_rendezvous(joining, out, store_host, store_port, conn_id, secret,
+                                 e or "join did not finish")
             raise WeightPushError(f"data plane {store_host}:{store_port}: "
                                   f"{e or 'join did not finish'}") from e
         self.group = out["group"]
 
-    @staticmethod
-    def _clean_store(host: str, port: int, conn_id: str) -> None:
-        """A failed rendezvous's leftovers (the abort marker, a rogue's keys):
-        every rank gave up by now. Best effort; a store we cannot reach keeps
-        them."""
+    def _end_rendezvous(self, joining: threading.Thread, out: dict[str, Any], host: str,
+                        port: int, conn_id: str, secret: bytes, why: object) -> None:
+        """A connection that will never form: every rank still waiting on it
+        (our join, a replica's) stops within a poll, on a signed abort marker
+        (a first one, e.g. a tamper's, stays), rather than at its timeout.
+        Left to time out, a refused connect's join held a thread for the whole
+        `join_s`, which `close()`, or the finalizer of a pusher nobody
+        closed, then waited for. Then the store's leftovers go (the marker, a
+        rogue's keys). Best effort: a store we cannot reach keeps them, and a
+        join that cannot see the marker ends by its own timeout (see close)."""
+        where = f"{host}:{port}"
         try:
             store = torch.distributed.TCPStore(host, port, is_master=False,
                                                timeout=datetime.timedelta(seconds=5))
-            delete_connection_keys(store, conn_id)
         except Exception as e:
-            log.warning("data plane %s:%s: could not clear connection %s's keys: %s", host,
-                        port, conn_id, e)
+            log.warning("data plane %s: could not end connection %s's rendezvous: %s", where,
+                        conn_id, e)
+            store = None
+        if store is not None:
+            abort_connection(store, conn_id, secret, where,
+                             f"the trainer gave up this connection: {why}")
+        joining.join(self.replicas.deadlines.stall_s)
+        if store is not None:
+            time.sleep(ABORT_SEEN_S)  # a replica's join polls for the marker too
+            delete_connection_keys(store, conn_id)
+        self._give_up(joining, out)  # a group it forms later: see close()
+        if "group" in out:
+            out.pop("group").close()
 
     def start_push(self, version: int) -> None:
         """A push of `version` begins: rank 0 tags its buckets with the
