@@ -24,6 +24,7 @@ from rollout_sidecar.client.protocol.bucket_mac import (
 )
 from rollout_sidecar.client.protocol.signed_store import (
     TAMPERED,
+    RendezvousAborted,
     RendezvousTampered,
     SignedStore,
     delete_connection_keys,
@@ -200,3 +201,44 @@ def test_a_slow_join_forms_the_group_but_a_stalled_piece_fails_at_the_stall_boun
     finally:
         close_group(sender)
         close_group(receiver)
+
+
+def test_a_key_deleted_under_a_get_ends_on_the_abort_marker_not_the_store_timeout(
+        master: Any) -> None:
+    """A rank that fails writes the abort marker, then deletes the keys it
+    wrote. Another rank that saw one of them present and is about to read it
+    must not then sit in the store's blocking get for the whole timeout (in a
+    CI run: a server's rank waited 10 s in a tampered connect); it reads
+    without blocking and stops on the marker."""
+    key = new_secret()
+    where = f"127.0.0.1:{master.port}"
+    slow = dist.TCPStore("127.0.0.1", master.port, is_master=False,
+                         timeout=datetime.timedelta(seconds=600))  # a blocking get hangs
+    inner = dist.PrefixStore("rs/d/", slow)
+
+    class SawItThenItWent:
+        """The check saw rank 0's key; it is deleted before the read."""
+
+        def __init__(self) -> None:
+            self.first = True
+
+        def check(self, keys: list[str]) -> bool:
+            if keys == ["0/0"] and self.first:
+                self.first = False
+                return True
+            return inner.check(keys)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+    failed = SignedStore(dist.PrefixStore("rs/d/", _client(master)), key, where, 5)
+    failed.abort("rank 0 gave up")  # the marker first, then its keys go (none left)
+    reader = SignedStore(SawItThenItWent(), key, where, 600)
+    with pytest.raises(RendezvousAborted, match="rank 0 gave up"):
+        reader.get("0/0")
+    # Present, it reads as before; the marker a second rank writes does not replace the first.
+    SignedStore(inner, key, where, 5).set("0/1", b"addr")  # the reader's connection: in order
+    assert reader.get("0/1") == b"addr"
+    SignedStore(dist.PrefixStore("rs/d/", _client(master)), key, where, 5).abort("second")
+    with pytest.raises(RendezvousAborted, match="rank 0 gave up"):
+        reader.get("0/2")

@@ -23,6 +23,7 @@ NetworkPolicy's job).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hmac
 import time
 from typing import Any
@@ -35,6 +36,7 @@ TAMPERED = "data-plane rendezvous tampered with"
 ABORT_KEY = "abort"  # under the connection's prefix, signed like the rest
 POLL_S = 0.05
 _TAG = 32
+_ABSENT = b"\0absent"  # shorter than a tag: no signed value equals it
 
 
 class RendezvousAborted(RuntimeError):
@@ -99,8 +101,25 @@ class SignedStore(dist.Store):
         self._inner.set(key, self._sign(key, _bytes(value)))
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
-        return self._open(key, _bytes(self._inner.get(key)))
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            self.wait([key], datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            raw = self._read(key)
+            if raw is not None:
+                return self._open(key, raw)
+            # Deleted since the wait saw it: a rank that failed deletes what it
+            # wrote once its abort marker is set, which the next wait reports.
+            time.sleep(POLL_S)
+
+    def _read(self, key: str) -> bytes | None:
+        """The key's value, or None if it is not there, without blocking: the
+        store's own get waits for a missing key for its whole timeout, which
+        a key deleted between our check and the get cost every other rank
+        (10 s for a server's rank in a tampered connect, `join_s` for the
+        trainer's). A compare-and-set whose expected value no signed value can
+        equal reads without writing."""
+        got = _bytes(self._inner.compare_set(key, _ABSENT, _ABSENT))
+        return None if got == _ABSENT else got
 
     def add(self, key: str, amount: int) -> int:
         self.written.add(key)
@@ -122,8 +141,9 @@ class SignedStore(dist.Store):
         limit = timeout.total_seconds() if timeout is not None else self._timeout_s
         deadline = time.monotonic() + limit
         while not self._inner.check(list(keys)):
-            if self._inner.check([ABORT_KEY]):
-                why = self._open(ABORT_KEY, _bytes(self._inner.get(ABORT_KEY))).decode()
+            marker = self._read(ABORT_KEY)
+            if marker is not None:
+                why = self._open(ABORT_KEY, marker).decode()
                 kind = RendezvousTampered if TAMPERED in why else RendezvousAborted
                 raise kind(f"rendezvous aborted by another rank: {why}")
             if time.monotonic() > deadline:
