@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rollout_sidecar.client.protocol.bucket_group import broadcast_group
+from rollout_sidecar.client.protocol.signed_store import group_prefix
 from rollout_sidecar.trainer.collectives import settled
 from rollout_sidecar.trainer.control import replica_admins
 from rollout_sidecar.trainer.control.deadlines import Deadlines
@@ -240,8 +241,9 @@ def test_a_refused_connect_ends_its_own_join_at_once_and_leaves_nothing() -> Non
                              deadlines=Deadlines(stall_s=60.0, join_s=120.0))
 
     class Refusing(_Admin):
-        def connect(self, *args, **kwargs):
-            time.sleep(0.5)  # our join is waiting in the store by now
+        def connect(self, connection_id, *args, **kwargs):
+            until(lambda: any(group_prefix(connection_id) in k for k in master.list_keys()),
+                  "our join wrote its key: it waits in the store")
             raise WeightPushError("another trainer is pushing to this server")
 
     class Status:

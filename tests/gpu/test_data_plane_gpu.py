@@ -183,16 +183,21 @@ def _refused_trainer(port: int, out: mp.Queue) -> None:
     faulthandler.dump_traceback_later(DEADLINE_S - 10, exit=True)
     import time
 
+    from rollout_sidecar.client.protocol.signed_store import group_prefix
     from rollout_sidecar.trainer.control.deadlines import Deadlines
     from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
     from rollout_sidecar.trainer.errors import WeightPushError
     from rollout_sidecar.trainer.transport.distributed import DistributedTransport
+    from tests.polling import until
 
     class Refusing:
         base_url = "http://127.0.0.1:1"
 
-        def connect(self, *args: object, **kwargs: object) -> None:
-            time.sleep(1.0)  # our join is inside NCCL's init by now
+        def connect(self, connection_id: str, *args: object, **kwargs: object) -> None:
+            # Rank 0 writes NCCL's unique id, then waits in NCCL's init.
+            store = _store(port, master=False)
+            until(lambda: any(group_prefix(connection_id) in k for k in store.list_keys()),
+                  "our join wrote NCCL's unique id")
             raise WeightPushError("another trainer is pushing to this server")
 
         def disconnect(self, *args: object) -> None:
