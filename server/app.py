@@ -69,7 +69,8 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
                 await warm_up(engine)
             app.state.engine = engine
             app.state.weights = WeightService(engine, settings, app_metrics, boot_id)
-            app.state.weights.start(listeners.take_data_plane_fd() if listeners else None)
+            await app.state.weights.start(
+                listeners.take_data_plane_fd() if listeners else None)
             stack.callback(app.state.weights.plane.stop)
             app.state.ready = True
             log.info("ready: weight_version=%d", engine.gate.version)

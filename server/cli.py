@@ -40,6 +40,17 @@ def serve(overrides: dict[str, Any]) -> None:
                                  if name else None) from None
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.headless:  # one host of an engine that node 0 serves
+        from rollout_sidecar.server.engine.headless import HeadlessRefused, run_headless
+
+        try:
+            raise SystemExit(run_headless(settings))
+        except HeadlessRefused as e:
+            raise typer.BadParameter(str(e), param_hint="--headless") from None
+    if settings.node_rank > 0:
+        raise typer.BadParameter(f"node_rank {settings.node_rank}: hosts other than node 0 "
+                                 "run this engine's workers with --headless",
+                                 param_hint="--node-rank")
     try:
         run_server(settings)
     except (ModelSourceError, PortUnavailable) as e:

@@ -94,6 +94,31 @@ class ServerSettings(BaseSettings):
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs (or CPU worker processes) one copy of the model is split "
         "over; every worker joins the weight data plane and loads its own shard of a push.")
+    nnodes: int = Field(
+        1, ge=1, description="Hosts one engine spans with vLLM's multiprocessing executor "
+        "(vLLM's --nnodes): this server runs on the first (node_rank 0) and serves; every "
+        "other host runs `serve --headless` with the same settings and its own node_rank "
+        "(docs/deploy.md, \"Several hosts\").")
+    node_rank: int = Field(0, ge=0, description="This host's rank among nnodes (vLLM's "
+                           "--node-rank); 0 serves, the others run --headless.")
+    master_addr: str = Field(
+        "127.0.0.1", description="With nnodes > 1: node 0's address, reachable from every "
+        "node (vLLM's --master-addr); the workers on other hosts also meet the data plane's "
+        "store there.")
+    master_port: int = Field(29501, ge=1, le=65535, description="With nnodes > 1: the port "
+                             "torch.distributed meets on at master_addr (vLLM's "
+                             "--master-port).")
+    headless: bool = Field(
+        False, description="Run only this host's workers of an engine served by node 0 "
+        "(nnodes > 1, node_rank > 0): no HTTP, no API; exits when its workers do.")
+    distributed_executor_backend: Literal["mp", "ray"] | None = Field(
+        None, description="vLLM's executor: mp (processes, one host or, with nnodes, "
+        "several) or ray (a Ray cluster's actors, across hosts; extra `ray`). Unset: vLLM's "
+        "choice.")
+    data_plane_advertise_host: str | None = Field(
+        None, description="The address this server's workers reach its data-plane store "
+        "at, when some run on other hosts (nnodes > 1, Ray). Unset: master_addr with "
+        "nnodes > 1, else VLLM_HOST_IP or this host's routable address (as vLLM finds it).")
     enforce_eager: bool | None = Field(
         None, description="Skip CUDA graph capture and compilation. Unset: false on a GPU "
         "(CUDA graphs, as vLLM), true on CPU (a server starts in seconds, not after minutes "
@@ -146,11 +171,15 @@ class ServerSettings(BaseSettings):
         "host memory (pinned on a GPU server), outside the GPU budget; device: GPU memory, "
         "faster to load but a second copy of the model outside gpu_memory_utilization (a "
         "0.9-utilisation server runs out of memory); auto: host. gloo always stages on host.")
-    share_host_staging: bool = Field(
-        True, description="With TP > 1 on one host and host staging: the engine's first "
-        "worker receives each push into /dev/shm and the others read their shards from it, "
-        "so a host holds one staged copy, not one per worker (/dev/shm must hold the "
-        "model: Docker's default is 64 MB). Off: every worker receives and keeps its own.")
+    share_host_staging: bool | None = Field(
+        None, description="With TP > 1 and host staging, the workers of an engine that see "
+        "one /dev/shm share one staged copy there: the first receives each push and the "
+        "others read their shards from it, so a host holds one copy, not one per worker. "
+        "/dev/shm must hold the push plus 5% (Docker's default is 64 MB; docs/deploy.md, "
+        "\"Sizing /dev/shm\"), which is checked at start. Unset: shared where it fits, else "
+        "per worker with a warning naming the size needed; true: required (the server "
+        "refuses to start where it does not fit); false: every worker receives and keeps "
+        "its own.")
     data_plane_host: str | None = Field(
         None, description="Address the data-plane TCPStore listens on; default: `host`."
     )

@@ -166,7 +166,7 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
                   admin_token: str | None = None, env: Mapping[str, str] | None = None,
                   args: Sequence[str] = (), host: str | None = None, cpus: str | None = None,
                   prefix: Sequence[str] = (), own_session: bool = False, wait: bool = True,
-                  ready_timeout_s: float = 300) -> ServerProcess:
+                  ready_timeout_s: float = 300, shm_size: str | None = None) -> ServerProcess:
     """Start `python -m rollout_sidecar.server.cli serve` with its output in `log`.
 
     Ports: free ones unless given, bound here and passed to the server as
@@ -179,7 +179,9 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
     something (a network namespace), where it listens on every address and
     is reached at `host`. `own_session`: its
     own process group, so `stop()` also kills what it spawned. `wait`: block
-    until /ready (else call `wait_ready()` later).
+    until /ready (else call `wait_ready()` later). `shm_size` (e.g. "256m";
+    needs root): a /dev/shm of its own of that size (a tmpfs in a private
+    mount namespace), as a container's `shm_size` gives it.
     """
     env = dict(env or {})
     api = api_token or env.get(API_TOKEN_ENV) or secrets.token_hex(8)
@@ -206,6 +208,9 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
             raise ServerStartError(f"{e.option}: {e}") from e
         port, data_plane_port = (port_of(sock) for sock in held)
         fds = ["--http-fd", str(held[0].fileno()), "--data-plane-fd", str(held[1].fileno())]
+    if shm_size is not None:
+        prefix = [*prefix, "unshare", "--mount", "--propagation", "private", "sh", "-c",
+                  'mount -t tmpfs -o "size=$0" tmpfs /dev/shm && exec "$@"', shm_size]
     cmd = [*prefix, *(["taskset", "-c", cpus] if cpus is not None else []),
            sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--port", str(port),
            "--data-plane-port", str(data_plane_port), *fds]

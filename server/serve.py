@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import uvicorn
+from uvicorn.main import STARTUP_FAILURE
 
 from rollout_sidecar.server.app import create_app
 from rollout_sidecar.server.config import ServerSettings
@@ -42,4 +43,7 @@ def run_server(settings: ServerSettings) -> None:
         timeout_graceful_shutdown=int(settings.drain_timeout_s), access_log=False,
     )
     # asyncio listens on the bound socket when uvicorn starts serving.
-    DrainingServer(config, app).run(sockets=[listeners.http])
+    server = DrainingServer(config, app)
+    server.run(sockets=[listeners.http])
+    if not server.started:  # the app's startup failed (logged): as uvicorn.run exits
+        raise SystemExit(STARTUP_FAILURE)

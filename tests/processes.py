@@ -22,8 +22,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -88,6 +89,37 @@ def run(cmd: Sequence[str], *, timeout_s: float, env: Mapping[str, str] | None =
         raise DeadlineExceeded(list(cmd), timeout_s, output=stdout,
                                stderr=f"{tree}\n{stderr}")
     return subprocess.CompletedProcess(list(cmd), proc.returncode, stdout, stderr)
+
+
+@contextlib.contextmanager
+def background(cmd: Sequence[str], *, log: Path, deadline_s: float,
+               env: Mapping[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """`cmd` beside the test (its output in `log`). At `deadline_s` its tree
+    is described and dumped into `log` (faulthandler) and killed, as in
+    `run`; when the block ends it gets SIGTERM and 30 s to stop, then the same."""
+    full_env = dict(os.environ if env is None else env, PYTHONFAULTHANDLER="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(list(cmd), env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+    def expire() -> None:
+        with open(log, "a") as out:
+            out.write(f"\n{describe_tree(proc)}\n")
+        end_tree(proc)
+
+    timer = threading.Timer(deadline_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield proc
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                expire()
 
 
 def describe_tree(proc: subprocess.Popen) -> str:

@@ -78,6 +78,7 @@ class ServerSpec:
     model: str | None = None  # a hub id or a path; None: the embedded default
     family: str | None = None  # a tests/fidelity/zoo family, written before the start
     fault_file: bool = False  # ROLLOUT_SIDECAR_TEST_FAULT_FILE, empty (no fault) at start
+    shm_size: str | None = None  # a /dev/shm of its own, this size (launch_server; root)
     # Writes what the server needs into its folder before the start (a hub
     # cache); returns environment for it.
     prepare: Callable[[Path], Mapping[str, str]] | None = None
@@ -250,7 +251,7 @@ class ServerPlan:
         log_name = overrides.pop("log_name", spec.name)
         return launch_server(log=folder / f"{log_name}.log", model=model, dtype=spec.dtype,
                              max_model_len=spec.max_model_len, env=env, wait=False,
-                             **overrides)
+                             shm_size=spec.shm_size, **overrides)
 
 
 def memory_to_spare(starting: int = 0) -> bool:

@@ -190,7 +190,7 @@ def test_the_data_plane_joins_on_this_workers_device_from_its_own_thread(monkeyp
     monkeypatch.setattr(conn, "broadcast_group", lambda *a, device=None, **k: seen.update(
         group_device=device) or "group")
     info = conn.StagedInitInfo(store_host="h", store_port=1, connection_id="c", backend="nccl")
-    j = conn.Joiner(info, worker_rank=1, device=torch.device("cuda", 1))
+    j = conn.Joiner(info, plane_rank=1, device=torch.device("cuda", 1))
     j.start()
     j.join(10)
     assert j.group == "group" and j.rank == 2
@@ -198,28 +198,47 @@ def test_the_data_plane_joins_on_this_workers_device_from_its_own_thread(monkeyp
                     "group_device": torch.device("cuda", 1)}
 
 
-def test_our_nccl_group_cleans_up_instead_of_killing_the_process(monkeypatch):
-    """PyTorch reads TORCH_NCCL_ASYNC_ERROR_HANDLING in the ProcessGroupNCCL
-    constructor (default 3: tear the process down); ours is built with 2."""
-    from rollout_sidecar.client.protocol import bucket_group as bg
-
-    seen = {}
-
-    class FakeNCCL:  # no GPU here: records the environment the constructor sees
-        class Options:
-            pass
-
-        def __init__(self, store, rank, world, options) -> None:
-            seen["handling"] = os.environ.get(bg.NCCL_ERROR_HANDLING)
-            seen["timeout"] = options._timeout
-
-    monkeypatch.setattr(bg.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
-    monkeypatch.setenv(bg.NCCL_ERROR_HANDLING, "3")
+def test_the_nccl_data_plane_is_our_communicator_not_a_process_group_nccl(monkeypatch):
+    """PyTorch's ProcessGroupNCCL turns any failed work into the process's
+    death via group 0's heartbeat monitor, whatever our group's settings
+    (client/protocol/nccl_library.py); so the NCCL data plane never builds
+    one, and never writes the environment (setenv from a thread races NCCL's
+    getenv). The communicator itself runs in tests/gpu (a fake here)."""
     import datetime
 
-    bg._nccl_group(None, 1, 2, datetime.timedelta(seconds=5))
-    assert seen == {"handling": "2", "timeout": datetime.timedelta(seconds=5)}
-    assert os.environ[bg.NCCL_ERROR_HANDLING] == "3"  # vLLM's own groups keep theirs
+    from rollout_sidecar.client.protocol import bucket_group as bg
+
+    class Refused:
+        def __init__(self, *a, **k) -> None:
+            raise AssertionError("a ProcessGroupNCCL was built")
+
+    formed = {}
+
+    class FakeGroup:  # stands in for nccl_group.NcclGroup (a fake)
+        def barrier(self):
+            return self
+
+        def wait(self) -> None:
+            formed["barrier"] = True
+
+        def close(self) -> None:
+            pass
+
+    def fake_form(store, rank, world, device, timeout_s, op_timeout_s):
+        formed.update(rank=rank, world=world, device=device, op_timeout_s=op_timeout_s)
+        return FakeGroup()
+
+    monkeypatch.setattr(bg.dist, "ProcessGroupNCCL", Refused, raising=False)
+    monkeypatch.setattr(bg.nccl_group, "form", fake_form)
+    master = bg.dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=10))
+    env = dict(os.environ)
+    group = bg.broadcast_group("127.0.0.1", master.port, "c", 1, 2, "nccl", 10,
+                               secret=b"s" * 32, op_timeout_s=3,
+                               device=torch.device("cuda", 1))
+    assert isinstance(group, FakeGroup) and dict(os.environ) == env
+    assert formed == {"rank": 1, "world": 2, "device": torch.device("cuda", 1),
+                      "op_timeout_s": 3, "barrier": True}
 
 
 def test_gpu_defaults_leave_a_push_its_memory():

@@ -4,7 +4,7 @@ dependency that a plain `import` test would miss.
 
     client/protocol  <-  client, trainer, server   (the neutral layer)
     trainer  -/->  server, demo          server  -/->  trainer, demo
-    client   -/->  server, trainer, demo, and torch outside its five torch modules
+    client   -/->  server, trainer, demo, and torch outside its six torch modules
 
 Plus the runtime check: importing a package loads none of what its docstring
 says it never needs (a subprocess, so this process's imports do not count).
@@ -23,10 +23,11 @@ from tests import processes
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {"client": "client", "trainer": "trainer", "server": "server",
             "demo": "examples/demo"}
-# The protocol's torch side: the data plane's framing, signing and patches; imported by name only.
+# The protocol's torch side: the data plane's framing, signing, patches and NCCL group;
+# imported by name only.
 TORCH_IN_CLIENT = {"client/protocol/wire_format.py", "client/protocol/bucket_group.py",
                    "client/protocol/bucket_mac.py", "client/protocol/signed_store.py",
-                   "client/protocol/delta_codec.py"}
+                   "client/protocol/delta_codec.py", "client/protocol/nccl_group.py"}
 FORBIDDEN = {
     "client": {"rollout_sidecar.server", "rollout_sidecar.trainer", "rollout_sidecar.demo"},
     "trainer": {"rollout_sidecar.server", "rollout_sidecar.demo", "vllm"},

@@ -102,6 +102,28 @@ def test_wait_commit_drains_admitted_requests_then_falls_back_to_abort():
     asyncio.run(run())
 
 
+def test_a_commit_never_pauses_the_engine_with_a_submission_on_its_way():
+    """vLLM 0.33 refuses a request that reaches a paused engine
+    (`engine_paused`; 0.32 queued it): a commit whose drain bound passes with
+    a submission still pending fails before any pause, and admissions reopen."""
+    from rollout_sidecar.server.engine.version_gate import SubmissionsStuck
+
+    async def run():
+        gate = VersionGate(0)
+        stuck = await gate.admit(None, 1)  # admitted, never submitted (a wedged engine)
+        paused = []
+        with pytest.raises(SubmissionsStuck, match="nothing was loaded"):
+            async with gate.commit_window("wait", drain_s=0.2):
+                paused.append(True)  # where the commit would pause the engine
+        assert not paused
+        stuck.submitted()
+        stuck.finished()
+        lease = await gate.admit(None, 1)  # open again
+        assert lease.version == 0
+
+    asyncio.run(run())
+
+
 def test_a_broken_gate_refuses_until_a_version_is_published():
     from rollout_sidecar.server.errors import ServiceUnavailable
 

@@ -10,17 +10,12 @@ replica its offset, so N replicas of W workers make a group of 1 + N * W.
 Two timeouts. Forming the group (`timeout_s`) is a one-off that may be slow
 (a fresh container loads gloo cold); once formed, every wait on it gets
 `op_timeout_s`, the trainer's stall bound, so a piece that does not move fails
-the transfer on every rank instead of hanging. NCCL gets the first through its
-options (the plain constructor has none); the second goes to each wait.
+the transfer on every rank instead of hanging.
 
-A peer's failure must not take this process down. gloo raises in the waiting
-thread. PyTorch's NCCL watchdog instead tears the process down on a failed or
-timed-out work item by default (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, read in the
-`ProcessGroupNCCL` constructor, default 3, SkipCleanUp; `SHOULD_TEAR_DOWN`
-rethrows on the watchdog thread): a trainer dying mid-push would SIGABRT a
-vLLM worker. So our group alone is built with 2 (CleanUpOnly): the watchdog
-aborts its communicators, the waiting thread's `wait()` raises, we drop the
-group and the trainer reconnects. vLLM's own groups keep their setting.
+A peer's failure must not take this process down: gloo raises in the waiting
+thread; NCCL runs on a communicator of our own (nccl_group.py), not
+`ProcessGroupNCCL`, whose watchdog and heartbeat monitor turn any failed work
+into the process's death minutes later (nccl_library.py says how).
 
 Fan-out. NCCL's broadcast is already a pipelined ring. gloo's is a binomial
 tree of whole buffers: with two replicas rank 0 sends every bucket twice, one
@@ -36,14 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
-import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from rollout_sidecar.client.protocol import nccl_group
 from rollout_sidecar.client.protocol.signed_store import (
     SignedStore,
     delete_connection_keys,
@@ -53,9 +47,6 @@ from rollout_sidecar.client.protocol.signed_store import (
 SENDER_RANK = 0
 CHAIN_CHUNK_BYTES = 16 << 20  # pipelines a 64+ MiB bucket; large enough to send at full speed
 Fanout = Literal["broadcast", "chain"]
-NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-NCCL_CLEAN_UP_ONLY = "2"  # abort the communicators, raise in wait(), keep the process
-_env_lock = threading.Lock()
 
 
 class DataPlaneGroup:
@@ -90,7 +81,8 @@ class DataPlaneGroup:
 def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_size: int,
                     backend: str, timeout_s: float, secret: bytes | None = None,
                     op_timeout_s: float | None = None,
-                    device: torch.device | None = None) -> DataPlaneGroup:
+                    device: torch.device | None = None
+                    ) -> DataPlaneGroup | nccl_group.NcclGroup:
     """Blocks until every rank joined or `timeout_s` passes (then raises).
     With `secret` (the connection's), the rendezvous is signed and a tampered
     value raises `RendezvousTampered`; once the group formed, every rank
@@ -104,11 +96,16 @@ def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_s
     signed = None
     if secret is not None:
         store = signed = SignedStore(store, secret, f"{host}:{port}", timeout_s)
+    group: DataPlaneGroup | nccl_group.NcclGroup
     try:
         if backend == "nccl":
-            group = _nccl_group(store, rank, world_size, timeout)
+            if device is None or device.type != "cuda":
+                device = torch.device("cuda", torch.cuda.current_device())
+            group = nccl_group.form(store, rank, world_size, device, timeout_s,
+                                    op_timeout_s or timeout_s)
         else:
-            group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            group = DataPlaneGroup(dist.ProcessGroupGloo(store, rank, world_size, timeout),
+                                   op_timeout_s or timeout_s)
     except BaseException:
         if signed is not None:
             signed.delete_written()  # the trainer clears the rest (abort marker, a rogue's)
@@ -121,46 +118,13 @@ def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_s
         raise
     if signed is not None:
         try:
-            _barrier(group, backend, device)  # every rank is past the rendezvous
+            group.barrier().wait()  # every rank is past the rendezvous
         except BaseException:
-            close_group(group)
+            group.close()
             raise
         finally:
             signed.delete_written()
-    return DataPlaneGroup(group, op_timeout_s or timeout_s)
-
-
-def _nccl_group(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
-    """A `ProcessGroupNCCL` whose watchdog cleans up instead of killing the
-    process (module docstring). The variable is read once, in the constructor;
-    the lock keeps two of our groups from racing on it."""
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    with _env_lock:
-        before = os.environ.get(NCCL_ERROR_HANDLING)
-        os.environ[NCCL_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
-        try:
-            return dist.ProcessGroupNCCL(store, rank, world_size, options)
-        finally:
-            if before is None:
-                os.environ.pop(NCCL_ERROR_HANDLING, None)
-            else:
-                os.environ[NCCL_ERROR_HANDLING] = before
-
-
-def _barrier(group: Any, backend: str, device: torch.device | None) -> None:
-    # NCCL builds its communicator at the first collective (reading rank 0's
-    # id from the store), on the device of its tensor, so this also ends
-    # NCCL's use of the store. A broadcast on this rank's device rather than
-    # barrier(), which guesses one.
-    if backend == "nccl":
-        if device is None or device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        flag = torch.zeros(1, device=device)
-        group.broadcast(flag, SENDER_RANK).wait()
-        torch.cuda.current_stream(device).synchronize()
-    else:
-        group.barrier().wait()
+    return group
 
 
 def close_group(group: Any) -> None:

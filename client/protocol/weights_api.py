@@ -353,7 +353,12 @@ class WeightStatus(ReplyModel):
     connected: str | None = Field(description="Connection id of the data plane, if any.")
     data_plane_port: int
     data_plane_ranks: int = Field(1, description="Workers of this server in the data-plane "
-                                  "group (TP x PP x DP).")
+                                  "group: TP x PP x DP, or one per host and engine where the "
+                                  "workers share a staged copy (`staging_layout`).")
+    staging_layout: str | None = Field(
+        None, description="Where this server's workers stage a push, as decided at start: "
+        "one copy per host in /dev/shm (its first worker receives) or one per worker, and "
+        "why (docs/deploy.md, \"Sizing /dev/shm\").")
     transports: list[str]
     push_timeout_s: float = Field(description="The deadline of one push, begin to commit.")
     commit_drain_s: float = Field(description="Longest wait for in-flight requests at a commit.")

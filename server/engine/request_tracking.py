@@ -95,5 +95,6 @@ class RequestTracker:
         however late their coroutine reads it."""
         for t in self.tracks:
             pending = getattr(t.collector, "output", None)
-            if t.finish_version is None and pending is not None and pending.finished:
+            # vLLM >= 0.33 parks a request's error there too (output_processor.py).
+            if t.finish_version is None and getattr(pending, "finished", False):
                 t.finish_version = self.gate.version

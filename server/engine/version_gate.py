@@ -48,6 +48,10 @@ class MinVersionTimeout(Exception):
         self.retry_after_s = retry_after_s
 
 
+class SubmissionsStuck(RuntimeError):
+    """A commit found requests still being submitted after its drain bound."""
+
+
 class Lease:
     """One request's hold on the gate, released by `submitted` and `finished`
     (each idempotent, each safe in a `finally`)."""
@@ -171,8 +175,15 @@ class VersionGate:
         t0 = time.monotonic()
         try:
             mode = policy
-            # Submissions take milliseconds; the bound only guards a dead engine.
-            await _wait(self._idle["submitting"], drain_s)
+            # Submissions take milliseconds; the bound only guards a dead
+            # engine. None may still be on its way once the engine pauses:
+            # vLLM 0.32 queued it, 0.33 refuses it (`engine_paused`,
+            # v1/engine/core.py `_reject_add_while_paused`), so the commit
+            # fails instead, the old weights serving.
+            if not await _wait(self._idle["submitting"], drain_s):
+                raise SubmissionsStuck(f"requests still being submitted to the engine "
+                                       f"after {drain_s:.0f}s: it is not taking requests; "
+                                       "nothing was loaded")
             if policy == "wait" and drain and not await _wait(self._idle["in_flight"], drain_s):
                 mode = "abort"
             yield mode

@@ -39,7 +39,8 @@ class TensorSpec:
 
 
 _WIDTH = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
-          "float8_e5m2": 1}
+          "float8_e5m2": 1, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+_OTHER_WIDTH = 8  # int64: the widest left
 
 
 @dataclass
@@ -73,6 +74,11 @@ class CheckpointIndex:
     @property
     def num_parameters(self) -> int:
         return sum(t.numel for t in self.tensors.values())
+
+    def push_bytes(self, serve_dtype: str) -> int:
+        """The bytes a dense push carries: every tensor in its push dtype."""
+        return sum(t.numel * _WIDTH.get(self.push_dtype(t, serve_dtype), _OTHER_WIDTH)
+                   for t in self.tensors.values())
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> CheckpointIndex:

@@ -240,8 +240,12 @@ async def build_state(engine: GenerationEngine, extra_args: str = "") -> State:
     """vLLM's serving objects for our engine, configured by `vllm serve`'s own
     parser: its defaults, plus frontend flags from `extra_args`."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:  # vLLM 0.33 moved it (vllm/entrypoints/common/cli_args.py)
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ImportError:  # 0.32
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
 
     # The engine was started with model=str(model_path): the served name matches.
     argv = ["--model", str(engine.model_path), *shlex.split(extra_args)]

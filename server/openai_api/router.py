@@ -71,9 +71,15 @@ def _min_version(body: BaseModel) -> int | None:
 
 
 def _return_spans(body: BaseModel) -> bool:
-    """`return_weight_versions` (an extra body field, as in vLLM's proposal):
-    each finished choice's per-token version spans; on unless false."""
-    value = (body.model_extra or {}).get("return_weight_versions", True)
+    """`return_weight_versions`: each finished choice's per-token version
+    spans; on unless false. An extra body field on vLLM 0.32; a declared one,
+    default false, on 0.33 (chat_completion/protocol.py), where our default
+    applies unless the client sent it."""
+    if "return_weight_versions" in type(body).model_fields:
+        sent = "return_weight_versions" in body.model_fields_set
+        value = body.return_weight_versions if sent else True  # type: ignore[attr-defined]
+    else:
+        value = (body.model_extra or {}).get("return_weight_versions", True)
     if not isinstance(value, bool):
         raise BadRequest("return_weight_versions must be a boolean", "return_weight_versions")
     return value

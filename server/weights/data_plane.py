@@ -73,14 +73,14 @@ class Connection:
 
 
 class DataPlane:
-    def __init__(self, llm: Any, settings: Any, receivers: int | None = None,
-                 shared: bool = False) -> None:
+    def __init__(self, llm: Any, settings: Any, receivers: int | None = None) -> None:
         self.llm = llm
         self.settings = settings
-        # This server's ranks in the group: its workers, or one per engine
-        # when they share a staged copy (worker/host_share.py).
+        # This server's ranks in the group: its workers, or one per host and
+        # engine where they share a staged copy (the staging layout, set at start).
         self.receivers = receivers or llm.vllm_config.parallel_config.world_size_across_dp
-        self.shared = shared
+        # Where this server's workers reach the store (rendezvous_address.py; set at start).
+        self.worker_store_host = "127.0.0.1"
         self.store: Any = None
         self.port = settings.data_plane_port
         self.owner: Connection | None = None
@@ -145,15 +145,14 @@ class DataPlane:
                     "ago: another trainer is pushing to this server. If that trainer is gone, "
                     f"connect again after {left:.0f}s, or with takeover=true", left)
         timeout = min(req.timeout_s, self.settings.connect_timeout_max_s)
-        host = self.bind_host
         self.owner = None
-        own_store = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         await self.side(SideOp.CONNECT, dict(
-            store_host=req.store_host or own_store, store_port=req.store_port or self.port,
+            store_host=req.store_host or self.worker_store_host,
+            store_port=req.store_port or self.port,
             connection_id=req.connection_id, backend=req.backend, timeout_s=timeout,
             op_timeout_s=req.op_timeout_s,
             world_size=req.world_size, rank_offset=req.rank_offset,
-            staging=self.settings.weight_staging, fanout=req.fanout, shared=self.shared,
+            staging=self.settings.weight_staging, fanout=req.fanout,
             # Hex, to the workers only (StagedInitInfo keeps it out of its repr);
             # nothing logs this payload.
             secret=req.secret.get_secret_value() if req.secret is not None else None,

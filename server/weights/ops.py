@@ -41,6 +41,8 @@ class SideOp(str, Enum):
     STATE = "state"  # {"connection": ..., "receive": ...}
     DISCONNECT = "disconnect"  # drop the group (a joiner still blocked times out alone)
     RELABEL = "relabel"  # an unchanged push: the staged copy of `base` is `version` too
+    HOST = "host"  # what the worker sees of its host: /dev/shm, room there (at start)
+    LAYOUT = "layout"  # its role in the staging layout (server/weights/staging_layout.py)
 
 
 class WorkerCallFailed(RuntimeError):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -39,7 +40,7 @@ from rollout_sidecar.client.protocol import (
 )
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
-from rollout_sidecar.server.weights import ops
+from rollout_sidecar.server.weights import ops, rendezvous_address, staging_layout
 from rollout_sidecar.server.weights.commit import TwoPhaseCommit
 from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.manifest_check import check_manifest
@@ -49,6 +50,8 @@ from rollout_sidecar.server.weights.push_session import Push, PushSession, PushS
 from rollout_sidecar.server.weights.receivers import offered, receiver
 from rollout_sidecar.server.weights.watchdog import PushWatchdog
 from rollout_sidecar.server.weights.worker.host_share import StagingRoot
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -64,10 +67,11 @@ class WeightService:
         self.settings = settings
         self.metrics = metrics
         self.boot_id = boot_id
-        self.plane = DataPlane(engine.llm, settings, engine.info.workers,
-                               engine.info.shared_staging)
-        # The host's shared staging (worker/host_share.py), this server's alone.
-        self.shared_root = StagingRoot(boot_id) if engine.info.shared_staging else None
+        self.plane = DataPlane(engine.llm, settings)
+        # Who stages where (staging_layout.py), and this host's shared staging
+        # directory when its workers share one (worker/host_share.py): set at start.
+        self.layout: staging_layout.StagingLayout | None = None
+        self.shared_root: StagingRoot | None = None
         self.session = PushSession(self._on_failed)
         self.commits = TwoPhaseCommit(engine, settings, metrics, self.plane, self.session)
         self.watchdog = PushWatchdog(self.session, self.plane, settings)
@@ -88,9 +92,24 @@ class WeightService:
         # Bound late: the session is built before the commit side that cleans up.
         await self.commits.on_failed(push, reason, outcome)
 
-    def start(self, listen_fd: int | None = None) -> None:
-        if self.shared_root is not None:
+    async def start(self, listen_fd: int | None = None) -> None:
+        """Decide the staging layout (raises `StagingDoesNotFit` where sharing
+        was required and does not fit), then listen on the data plane."""
+        s, info = self.settings, self.engine.info
+        staged = self.engine.index.push_bytes(info.dtype)
+        hosts = await staging_layout.survey(self.llm)
+        self.layout = layout = staging_layout.plan(hosts, s.share_host_staging,
+                                                   s.weight_staging == "device", staged)
+        self.plane.worker_store_host = rendezvous_address.store_host(self.plane.bind_host,
+                                                                     hosts, s)
+        for warning in layout.warnings:
+            log.warning("staging: %s", warning)
+        log.info("staging: %s (a staged copy: %.1f MiB)", layout.describe(), staged / 2**20)
+        if layout.shared:
+            self.shared_root = StagingRoot(self.boot_id)
             self.shared_root.create()
+        await staging_layout.assign(self.llm, layout, self.boot_id)
+        self.plane.receivers = layout.receivers
         self.plane.start(listen_fd)
 
     async def stop(self) -> None:
@@ -112,7 +131,8 @@ class WeightService:
             push_state=self.session.state.value, push_in_progress=p is not None,
             push_id=p.push_id if p else None,
             connected=self.plane.owner.id if self.plane.owner else None,
-            data_plane_port=self.plane.port, data_plane_ranks=self.engine.info.workers,
+            data_plane_port=self.plane.port, data_plane_ranks=self.plane.receivers,
+            staging_layout=self.layout.describe() if self.layout else None,
             transports=transports(),
             push_timeout_s=self.settings.push_timeout_s,
             commit_drain_s=self.settings.commit_drain_s, last_push=self.session.last,
@@ -191,9 +211,7 @@ class WeightService:
                     await ops.send(self.llm, receiver(req.transport).opens_with,
                                    manifest=[b.model_dump() for b in req.buckets],
                                    version=req.version, delta_base=req.delta_base,
-                                   adapter=req.adapter.model_dump() if req.adapter else None,
-                                   shared_dir=str(self.shared_root.path) if self.shared_root
-                                   else None)
+                                   adapter=req.adapter.model_dump() if req.adapter else None)
             except Exception as e:
                 await self.commits.end_session()  # on the ranks where it opened
                 self.commits.delta_base = None  # the workers may disagree: start over dense

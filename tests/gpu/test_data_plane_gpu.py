@@ -1,14 +1,26 @@
 """The weight data plane on CUDA, torch only (no vLLM): the parts of the
 server's GPU path a GPU without vLLM can prove. Marked gpu.
 
+Two ranks on one GPU: NCCL refuses two ranks of one communicator on one
+device of one host ("Duplicate GPU detected"), and tells hosts apart by
+`NCCL_HOSTID` when set (misc/utils.cc, getHostHash), so each process here
+gets its own and the pair talks over NCCL's socket transport on loopback,
+as two hosts would. With two GPUs the worker takes the second.
+
 - The group formed from a thread that never set a device lands on the
-  worker's own device (two ranks on one GPU are refused by NCCL, which is what
-  every TP worker would meet without it). Needs 2 GPUs.
+  worker's own device. Needs 2 GPUs (the device is the point).
 - A peer killed mid-bucket: the receiving process stays alive and the receive
-  fails with a named error within the op timeout, as on gloo. Needs 2 GPUs.
+  fails with a named error within the op timeout, as on gloo.
+- The same with a second, long-lived NCCL group in the receiving process
+  (vLLM's world group in a worker, FSDP's in a trainer), under PyTorch's
+  heartbeat monitor set to kill within seconds: our communicator is not
+  PyTorch's, so nothing tells that monitor, and the process lives well past
+  its timeout. The control, the same peer death on a `ProcessGroupNCCL` data
+  plane (what we had), kills the process (client/protocol/nccl_library.py).
 - Device staging: each bucket's CRC is taken in the receive thread as it
   lands, so the check has nothing to copy. One GPU.
-- A refused NCCL connect fails the push by name and the process exits 0. One GPU.
+- A refused NCCL connect ends at once: rank 0 waits for the replicas in the
+  store, where the abort marker reaches it, not in NCCL's bootstrap. One GPU.
 
 Each process has a deadline and dumps its stacks before it (faulthandler).
 """
@@ -21,6 +33,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 import zlib
 
 import pytest
@@ -31,6 +44,27 @@ pytestmark = [pytest.mark.gpu,
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 DEADLINE_S = 120
 BUCKET = 8 << 20
+OP_TIMEOUT_S = 5
+ALIVE_AFTER_S = 20  # past the monitor's kill (heartbeat 2 s below) many times over
+# PyTorch's NCCL monitor, set to kill within seconds (read by each group's
+# constructor): a group-0 monitor that reacts kills the process ~op timeout + 3 s
+# after a failed work item.
+FAST_KILL = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
+             "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "2", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100",
+             "TORCH_NCCL_COORD_CHECK_MILSEC": "100", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def _as_host(host_id: str) -> None:
+    """This process is a host of its own to NCCL (module docstring); before
+    any NCCL init in it."""
+    os.environ.update({"NCCL_HOSTID": host_id, "NCCL_SOCKET_IFNAME": "lo",
+                       "NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+                       "NCCL_NVLS_ENABLE": "0", "NCCL_MNNVL_ENABLE": "0"})
+
+
+def _worker_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.device_count() - 1)
 
 
 def _store(port: int, master: bool) -> torch.distributed.TCPStore:
@@ -39,40 +73,104 @@ def _store(port: int, master: bool) -> torch.distributed.TCPStore:
                                       timeout=datetime.timedelta(seconds=60))
 
 
-def _trainer(port: int, plan: str, out: mp.Queue) -> None:
+def _hold_group_0() -> object:
+    """A long-lived NCCL group made first, as vLLM's world group is: the
+    one whose heartbeat monitor acts on PyTorch's process-wide dump flag."""
+    os.environ.update(FAST_KILL)
+    store = torch.distributed.HashStore()
+    opts = torch.distributed.ProcessGroupNCCL.Options()
+    pg = torch.distributed.ProcessGroupNCCL(store, 0, 1, opts)
+    flag = torch.ones(1, device=_worker_device())
+    pg.allreduce([flag]).wait()
+    torch.cuda.synchronize()
+    return pg
+
+
+def _trainer(port: int, plan: str, out: mp.Queue, old_way: bool = False) -> None:
     """Rank 0 on cuda:0: joins from a new thread, as the pusher does."""
     faulthandler.dump_traceback_later(DEADLINE_S - 10, exit=True)
+    _as_host("trainer")
     from rollout_sidecar.client.protocol.bucket_group import broadcast_group, send_bucket
 
     torch.cuda.set_device(0)
-    group = broadcast_group("127.0.0.1", port, "gpu-test", 0, 2, "nccl", 60, op_timeout_s=5,
-                            device=torch.device("cuda", 0))
+    if old_way:
+        group = _c10d_group(port, 0)
+    else:
+        group = broadcast_group("127.0.0.1", port, "gpu-test", 0, 2, "nccl", 60,
+                                op_timeout_s=OP_TIMEOUT_S, device=torch.device("cuda", 0))
     buf = torch.arange(BUCKET, dtype=torch.int64, device="cuda:0").to(torch.uint8)
-    send_bucket(group, buf, "broadcast").wait()
+    if old_way:
+        group.broadcast(buf, 0).wait()
+    else:
+        send_bucket(group, buf, "broadcast").wait()
+    torch.cuda.synchronize()
     out.put(("trainer", "sent"))
     if plan == "die":  # mid-push: the receiver waits for a second bucket that never comes
         os.kill(os.getpid(), signal.SIGKILL)
     send_bucket(group, buf, "broadcast").wait()
-    group.abort()
+    torch.cuda.synchronize()
+    group.close()
 
 
-def _worker(port: int, out: mp.Queue) -> None:
-    """A server worker on cuda:1 whose data-plane threads never set a device
-    themselves: the engine's joiner and receive thread must."""
+def _c10d_group(port: int, rank: int) -> object:
+    """The data plane as it was: a ProcessGroupNCCL, CleanUpOnly, short timeout."""
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    opts = torch.distributed.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=OP_TIMEOUT_S)
+    prefix = torch.distributed.PrefixStore("old-way", _store(port, master=False))
+    return torch.distributed.ProcessGroupNCCL(prefix, rank, 2, opts)
+
+
+def _worker(port: int, out: mp.Queue, group_0: bool = False, old_way: bool = False) -> None:
+    """A server worker whose data-plane threads never set a device themselves:
+    the join (as worker/connection.py's Joiner does it: that module needs
+    vLLM, which this machine lacks) and the receive thread must."""
     faulthandler.dump_traceback_later(DEADLINE_S - 10, exit=True)
-    from rollout_sidecar.server.weights.worker.bucket_receive import Receive, receive_broadcast
-    from rollout_sidecar.server.weights.worker.connection import Joiner, StagedInitInfo
+    _as_host("worker")
+    from rollout_sidecar.client.protocol.bucket_group import broadcast_group
+    from rollout_sidecar.server.weights.worker.bucket_receive import (
+        Receive,
+        receive_broadcast,
+        use_device,
+    )
     from rollout_sidecar.server.weights.worker.staging import StagedBucket
 
-    device = torch.device("cuda", 1)
-    info = StagedInitInfo(store_host="127.0.0.1", store_port=port, connection_id="gpu-test",
-                          backend="nccl", timeout_s=60, op_timeout_s=5, world_size=2)
-    joiner = Joiner(info, worker_rank=0, device=device)
+    device = _worker_device()
+    held = _hold_group_0() if group_0 else None
+    if old_way:
+        torch.cuda.set_device(device)
+        group = _c10d_group(port, 1)
+        bufs = [torch.empty(BUCKET, dtype=torch.uint8, device=device) for _ in range(2)]
+        error = None
+        t0 = time.monotonic()
+        try:
+            for b in bufs:
+                group.broadcast(b, 0).wait(datetime.timedelta(seconds=OP_TIMEOUT_S))
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            error = repr(e)
+        out.put(("failed", {"error": error, "after_s": round(time.monotonic() - t0, 1)}))
+        time.sleep(ALIVE_AFTER_S)
+        out.put(("worker", {"alive": True, "error": error}))
+        del held
+        return
+    joined: dict = {}
+
+    def join() -> None:  # Joiner.run's two steps
+        try:
+            use_device(device, "nccl")
+            joined["group"] = broadcast_group("127.0.0.1", port, "gpu-test", 1, 2, "nccl", 60,
+                                              op_timeout_s=OP_TIMEOUT_S, device=device)
+        except BaseException as e:  # noqa: BLE001
+            joined["error"] = repr(e)
+
+    joiner = threading.Thread(target=join, name="rollout-sidecar-connect")
     joiner.start()
     joiner.join(60)
-    if joiner.group is None:
-        out.put(("worker", f"join failed: {joiner.error}"))
+    if "group" not in joined:
+        out.put(("worker", f"join failed: {joined.get('error')}"))
         return
+    group = joined["group"]
     buckets = [StagedBucket(i, BUCKET, [], torch.empty(BUCKET, dtype=torch.uint8,
                                                        pin_memory=True)) for i in range(2)]
     seen: dict = {}
@@ -84,32 +182,51 @@ def _worker(port: int, out: mp.Queue) -> None:
         finally:
             seen["device"] = torch.cuda.current_device()
 
-    rx = Receive(joiner.group, run)
+    t0 = time.monotonic()
+    rx = Receive(group, run)
     rx.start()
     rx.join(DEADLINE_S - 20)
+    failed_after = time.monotonic() - t0
+    out.put(("failed", {"error": repr(rx.error) if rx.error else None,
+                        "after_s": round(failed_after, 1)}))
+    if group_0:  # well past the monitor's timeout
+        time.sleep(ALIVE_AFTER_S)
     expect = zlib.crc32(torch.arange(BUCKET, dtype=torch.int64).to(torch.uint8).numpy())
-    out.put(("worker", {"alive": True, "first_crc_ok": buckets[0].checksum == expect,
+    # Bucket 1's bytes (its CRC field is set only once the next one is under way:
+    # a peer that died may fail that next broadcast before it).
+    out.put(("worker", {"alive": True, "first_crc_ok": zlib.crc32(
+        buckets[0].buffer.numpy()) == expect,
+                        "all_crc_ok": all(b.checksum == expect for b in buckets),
                         "error": repr(rx.error) if rx.error else None,
                         "thread_default": seen.get("default"),
                         "thread_device": seen.get("device")}))
+    group.close()
+    del held
 
 
-def _run(plan: str) -> dict:
+def _run(plan: str, group_0: bool = False, old_way: bool = False) -> dict:
+    """Both processes; what each reported, and the worker's exit code (it
+    may die without reporting: the control's SIGABRT)."""
     from tests.conftest import free_port
 
     port = free_port()
     store = _store(port, master=True)  # the server's rendezvous store
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_trainer, args=(port, plan, out)),
-             ctx.Process(target=_worker, args=(port, out))]
+    procs = [ctx.Process(target=_trainer, args=(port, plan, out, old_way)),
+             ctx.Process(target=_worker, args=(port, out, group_0, old_way))]
     for p in procs:
         p.start()
     results: dict = {}
     try:
-        for _ in range(2):
-            who, what = out.get(timeout=DEADLINE_S)
-            results[who] = what
+        deadline = time.monotonic() + DEADLINE_S
+        while "worker" not in results and time.monotonic() < deadline:
+            try:
+                who, what = out.get(timeout=1)
+                results[who] = what
+            except Exception:  # noqa: BLE001 - queue.Empty: is the worker still there?
+                if not procs[1].is_alive():
+                    break
     finally:
         for p in procs:
             p.join(30)
@@ -125,19 +242,52 @@ def test_a_group_joined_from_a_new_thread_sits_on_the_workers_own_device():
     r = _run("finish")
     w = r["worker"]
     assert isinstance(w, dict), w
-    # The receive thread started on cuda:0, ran on cuda:1, and both buckets arrived whole.
-    assert (w["thread_default"], w["thread_device"]) == (0, 1), w
-    assert w["first_crc_ok"] and w["error"] is None, w
+    # The receive thread started on cuda:0, ran on the worker's, and both buckets arrived whole.
+    assert (w["thread_default"], w["thread_device"]) == (0, _worker_device().index), w
+    assert w["all_crc_ok"] and w["error"] is None, w
     assert r["worker_exit"] == 0
 
 
-@two_gpus
+def test_two_buckets_arrive_whole_over_our_nccl_communicator():
+    r = _run("finish")
+    w = r["worker"]
+    print("nccl push, both buckets:", r)
+    assert isinstance(w, dict) and w["all_crc_ok"] and w["error"] is None, r
+    assert r["worker_exit"] == 0
+
+
 def test_an_nccl_peer_killed_mid_push_leaves_the_worker_alive_with_a_named_error():
     r = _run("die")
     w = r["worker"]
-    assert isinstance(w, dict) and w["alive"] and w["first_crc_ok"], w
-    assert w["error"] is not None, w  # the second bucket never came: named, not a hang
-    assert r["worker_exit"] == 0, r  # not SIGABRT from the NCCL watchdog
+    print("nccl peer killed:", r)
+    # The trainer dies once its first send completed on its side: over NCCL's
+    # socket transport that bucket may still be in flight, so the receive
+    # fails in the first bucket or waiting for the second: named, not a hang.
+    assert isinstance(w, dict) and w["alive"] and w["error"] is not None, r
+    assert "remote error" in w["error"] or "not done within" in w["error"], w
+    assert r["failed"]["after_s"] < OP_TIMEOUT_S + 10, r  # bounded by the op timeout
+    assert r["worker_exit"] == 0, r
+
+
+def test_a_peer_death_on_our_group_never_reaches_pytorchs_monitor_of_another_group():
+    """The worker holds a long-lived NCCL group (vLLM's world group) under a
+    monitor set to kill 2 s after a dump signal; the trainer dies mid-bucket.
+    The worker names the failure and is alive 20 s later."""
+    r = _run("die", group_0=True)
+    print("ours, with group 0 held:", r)
+    w = r.get("worker")
+    assert isinstance(w, dict) and w["alive"] and w["error"], r
+    assert r["worker_exit"] == 0, r
+
+
+def test_control_the_same_death_on_a_process_group_nccl_kills_the_worker():
+    """What the data plane was: a ProcessGroupNCCL with CleanUpOnly. Its
+    failed work sets PyTorch's dump flag, and group 0's monitor kills the
+    process. Shows the test above can fail."""
+    r = _run("die", group_0=True, old_way=True)
+    print("control, ProcessGroupNCCL data plane:", r)
+    assert "worker" not in r, r  # never reported alive
+    assert r["worker_exit"] not in (0, None), r  # killed (SIGABRT: -6)
 
 
 class _LoopbackGroup:
@@ -178,8 +328,8 @@ def test_device_staging_checksums_each_bucket_in_the_receive_thread(monkeypatch)
 
 def _refused_trainer(port: int, out: mp.Queue) -> None:
     """A trainer on NCCL whose only replica refuses the connect (another
-    trainer's lease): its rank 0 waits inside NCCL's bootstrap, not the store,
-    so the abort marker cannot reach it."""
+    trainer's lease): its rank 0 waits in the store for the replica's rank,
+    where the abort marker the trainer writes reaches it."""
     faulthandler.dump_traceback_later(DEADLINE_S - 10, exit=True)
     import time
 
@@ -194,10 +344,10 @@ def _refused_trainer(port: int, out: mp.Queue) -> None:
         base_url = "http://127.0.0.1:1"
 
         def connect(self, connection_id: str, *args: object, **kwargs: object) -> None:
-            # Rank 0 writes NCCL's unique id, then waits in NCCL's init.
+            # Rank 0 writes its presence, then waits for the replica's.
             store = _store(port, master=False)
             until(lambda: any(group_prefix(connection_id) in k for k in store.list_keys()),
-                  "our join wrote NCCL's unique id")
+                  "our join is waiting for the replica")
             raise WeightPushError("another trainer is pushing to this server")
 
         def disconnect(self, *args: object) -> None:
@@ -229,11 +379,12 @@ def _refused_trainer(port: int, out: mp.Queue) -> None:
              "threads_after_close": sorted(t.name for t in threading.enumerate())})
 
 
-def test_a_refused_nccl_connect_fails_the_push_and_the_process_exits_0():
-    """A refused connect on NCCL: the push fails naming the refusal, close()
-    returns, and the process exits 0, not SIGABRT at exit. Printed: how long
-    each took. Unlike gloo's, this join waits inside NCCL's bootstrap, where
-    the abort marker cannot reach it (docs/gpu.md, "Known, not fixed")."""
+def test_a_refused_nccl_connect_fails_the_push_at_once_and_the_process_exits_0():
+    """A refused connect on NCCL: the push fails naming the refusal within
+    seconds (the join ends on the abort marker, as gloo's), nothing is left
+    running after close(), and the process exits 0. Before, rank 0 waited
+    inside NCCL's bootstrap: the push failed after the stall bound and the
+    join outlived close()."""
     from tests.conftest import free_port
 
     port = free_port()
@@ -251,4 +402,6 @@ def test_a_refused_nccl_connect_fails_the_push_and_the_process_exits_0():
         del store
     print("refused nccl connect:", r, "exit", proc.exitcode)
     assert r["error"] and "another trainer is pushing" in r["error"], r
+    assert r["failed_s"] < 5 and r["abandoned"] == 0 and r["close_s"] < 5, r
+    assert not [t for t in r["threads_after_close"] if "join" in t], r  # no join left
     assert proc.exitcode == 0, (proc.exitcode, r)

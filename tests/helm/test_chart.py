@@ -230,7 +230,24 @@ def test_gpu_off_by_default_and_requested_when_asked(render) -> None:
     assert not any("gpu" in name for part in default.values() for name in part)
     gpu = server_container(render(server={"gpu": {"count": 2}}))["resources"]
     assert gpu["requests"]["nvidia.com/gpu"] == gpu["limits"]["nvidia.com/gpu"] == 2
-    assert gpu["requests"]["memory"] == "8Gi"  # the other defaults stay
+    assert gpu["requests"]["memory"] == f"{(8 + 2) * 1024}Mi"  # the other defaults stay
+
+
+@pytest.mark.parametrize(("memory", "shm", "total"), [
+    ("16Gi", "2Gi", 18 * 1024), ("96Gi", "16Gi", 112 * 1024), ("1000M", "512Mi", 1466),
+    (8589934592, "1G", 9146), ("16Gi", "256Mi", 16 * 1024 + 256)])
+def test_the_shm_volume_is_added_to_the_memory_given(render, memory, shm, total) -> None:
+    """A memory-backed /dev/shm is RAM charged to the server that stages a
+    push there: the chart adds its size to the memory request and limit, so
+    a staged copy that fits the volume never meets the OOM killer."""
+    resources = server_container(render(server={"resources": {
+        "requests": {"memory": memory}, "limits": {"memory": memory}}},
+        shm={"sizeLimit": shm}))["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == f"{total}Mi"
+    unset = server_container(render(server={"resources": {  # null removes a default
+        "requests": {"cpu": "2", "memory": None}, "limits": None}},
+        shm={"sizeLimit": shm}))["resources"]
+    assert "memory" not in unset["requests"] and "limits" not in unset  # nothing to add to
 
 
 def test_kv_cache_left_to_the_server_unless_set(render) -> None:

@@ -72,7 +72,7 @@ Public named templates, each rendering YAML list items; call them with this char
     - name: {{ $name }}
       value: {{ $value | toString | quote }}
     {{- end }}
-  {{- include "rollout-sidecar.resources" $s | nindent 2 }}
+  {{- include "rollout-sidecar.resources" (dict "server" $s "shm" $v.shm) | nindent 2 }}
   {{- with $s.securityContext }}
   securityContext:
     {{- toYaml . | nindent 4 }}
@@ -139,13 +139,26 @@ pod with CreateContainerConfigError instead of running a server that refuses eve
 {{- end }}
 {{- end }}
 
-{{/* Requests and limits, with the GPU count added to both (extended resources need equal values). */}}
+{{/*
+Requests and limits, with the GPU count added to both (extended resources need equal values)
+and the /dev/shm volume's size added to the memory given: a memory-backed emptyDir is RAM
+charged to the container that writes it, and the server stages a push there (TP >= 2).
+Call with (dict "server" .Values.server "shm" .Values.shm).
+*/}}
 {{- define "rollout-sidecar.resources" -}}
-{{- $requests := deepCopy (default dict .resources.requests) }}
-{{- $limits := deepCopy (default dict .resources.limits) }}
-{{- if gt (int .gpu.count) 0 }}
-{{- $_ := set $requests .gpu.resourceName (int .gpu.count) }}
-{{- $_ = set $limits .gpu.resourceName (int .gpu.count) }}
+{{- $s := .server }}
+{{- $shm := include "rollout-sidecar.quantityBytes" .shm.sizeLimit | float64 }}
+{{- $requests := deepCopy (default dict $s.resources.requests) }}
+{{- $limits := deepCopy (default dict $s.resources.limits) }}
+{{- range $part := list $requests $limits }}
+{{- if hasKey $part "memory" }}
+{{- $bytes := addf (include "rollout-sidecar.quantityBytes" $part.memory | float64) $shm }}
+{{- $_ := set $part "memory" (printf "%dMi" (int64 (ceil (divf $bytes 1048576.0)))) }}
+{{- end }}
+{{- end }}
+{{- if gt (int $s.gpu.count) 0 }}
+{{- $_ := set $requests $s.gpu.resourceName (int $s.gpu.count) }}
+{{- $_ = set $limits $s.gpu.resourceName (int $s.gpu.count) }}
 {{- end -}}
 resources:
   {{- with $requests }}
@@ -192,4 +205,12 @@ the headless Service; `dns+` makes the client and pusher resolve the name to eac
 {{- define "rollout-sidecar.shmVolumeMount" -}}
 - name: rollout-sidecar-shm
   mountPath: /dev/shm
+{{- end }}
+
+{{/* A Kubernetes quantity (string or number) in bytes, printed as a float: "2Gi" -> 2147483648. */}}
+{{- define "rollout-sidecar.quantityBytes" -}}
+{{- $q := toString . }}
+{{- $unit := regexFind "[a-zA-Z]+$" $q }}
+{{- $scale := dict "" 1.0 "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- mulf (float64 (trimSuffix $unit $q)) (get $scale $unit) }}
 {{- end }}

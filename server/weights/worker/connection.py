@@ -38,7 +38,6 @@ class StagedInitInfo(WeightTransferInitInfo):
     # so no log of this dataclass shows it. None: an older trainer, CRC only.
     secret: str | None = field(default=None, repr=False)
     bucket_macs: bool = False  # with the secret: every bucket carries a tag
-    shared: bool = False  # one staged copy per engine: its leader alone joins (host_share.py)
 
     @property
     def key(self) -> bytes | None:
@@ -53,10 +52,10 @@ class StagedInitInfo(WeightTransferInitInfo):
 class Joiner(threading.Thread):
     """Joins the trainer's group; blocks until every rank does, or times out."""
 
-    def __init__(self, info: StagedInitInfo, worker_rank: int, device: torch.device) -> None:
+    def __init__(self, info: StagedInitInfo, plane_rank: int, device: torch.device) -> None:
         super().__init__(daemon=True, name="rollout-sidecar-connect")
         self.info = info
-        self.rank = info.rank_offset + worker_rank
+        self.rank = info.rank_offset + plane_rank
         self.device = device
         self.group: Any = None
         self.error: str | None = None
@@ -80,14 +79,15 @@ class Connection:
         self.joiner: Joiner | None = None
         self.follows: StagedInitInfo | None = None
 
-    def open(self, info: StagedInitInfo, rank: int, device: torch.device, follow: bool
+    def open(self, info: StagedInitInfo, plane_rank: int | None, device: torch.device
              ) -> None:
-        """Start joining as data-plane `rank` (or follow) and return at once."""
+        """Start joining as this server's data-plane rank `plane_rank` (None:
+        follow the leader, who receives) and return at once."""
         self.close()
-        if follow:
+        if plane_rank is None:
             self.follows = info
             return
-        self.joiner = Joiner(info, rank, device)
+        self.joiner = Joiner(info, plane_rank, device)
         self.joiner.start()
 
     @property

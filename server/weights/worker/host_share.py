@@ -15,10 +15,18 @@ writer left (a receive still blocked on a dead trainer), it unlinks the file
 and makes the next push a new one, so a late write lands in memory nobody
 reads; followers map the files afresh at every load and unmap them after it.
 
-Not shared: device staging (each GPU needs its copy in its own memory) and an
-engine spanning several hosts (every worker receives, as before). /dev/shm
-must hold the staged copy: Docker caps it at 64 MB unless `shm_size` is set
-(deploy/docker-compose.yml sets it; the chart mounts a memory volume there).
+Who shares is decided once, at start (server/weights/staging_layout.py), from
+what each worker reports of its host here (`host_view`): workers share exactly
+when they see the same /dev/shm (the same boot and the same mount), which
+holds across vLLM's multi-node executor, Ray and containers, where vLLM's own
+`nnodes_within_dp` stays 1 under Ray even across hosts. A host whose /dev/shm
+cannot hold a staged copy is found then, not by a push: its workers stage
+their own copies (or the server refuses to start, if sharing was required).
+
+Not shared: device staging (each GPU needs its copy in its own memory).
+/dev/shm must hold the staged copy: Docker caps it at 64 MB unless
+`shm_size` is set (deploy/docker-compose.yml sets it from SHM_SIZE; the
+chart mounts a memory volume of `shm.sizeLimit` there).
 """
 
 from __future__ import annotations
@@ -27,26 +35,62 @@ import contextlib
 import fcntl
 import os
 import shutil
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 SHM = Path("/dev/shm")
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+NET_NS = Path("/proc/self/ns/net")
 
 
-def shares_host_staging(parallel_config: Any, settings: Any) -> bool:
-    """Whether an engine's workers share one staged copy (module docstring)."""
-    return (settings.share_host_staging and parallel_config.world_size > 1
-            and parallel_config.nnodes_within_dp == 1 and settings.weight_staging != "device"
-            and SHM.is_dir())
+def host_view() -> dict:
+    """What this process sees of its host: `shm`, an id equal for exactly the
+    processes that share one /dev/shm (the kernel's boot id, which differs
+    between hosts and is the host's inside a container, and the mount's
+    device number, which differs between two tmpfs mounts on one host), or
+    None without one; the room there (`shm_free`, `shm_total`, bytes); `net`,
+    an id equal for exactly the processes that share a network stack (boot id
+    and network namespace: loopback reaches between them); and the host's
+    name, for messages.
+
+    `shm_free` is what is free less what files there already claim without
+    holding it yet (below 0 when they claim more than is free): vLLM's
+    message queues are sparse segments (at TP=2 on CPU, 664 MiB of them held
+    0.1 MiB after the start), whose pages fill as its ring buffers go round;
+    a staged copy that took those pages would turn vLLM's later writes into
+    SIGBUS. Ours are reserved at once (posix_fallocate in
+    `SharedBuffers.buffer`)."""
+    host = socket.gethostname()
+    try:
+        boot = BOOT_ID.read_text().strip()
+    except OSError:  # not Linux: the name has to do
+        boot = host
+    try:
+        net = f"{boot}:{os.stat(NET_NS).st_ino}"
+    except OSError:
+        net = boot
+    try:
+        st, vfs = os.stat(SHM), os.statvfs(SHM)
+    except OSError:
+        return {"host": host, "net": net, "shm": None, "shm_free": 0, "shm_total": 0}
+    free = vfs.f_bavail * vfs.f_frsize - _claimed(SHM)
+    return {"host": host, "net": net, "shm": f"{boot}:{st.st_dev}", "shm_free": free,
+            "shm_total": vfs.f_blocks * vfs.f_frsize}
 
 
-def receivers(parallel_config: Any, shared: bool) -> int:
-    """This server's ranks in the data-plane group: one per engine (its
-    leader) when shared, else every worker."""
-    return parallel_config.data_parallel_size if shared else \
-        parallel_config.world_size_across_dp
+def _claimed(directory: Path) -> int:
+    """Bytes the files in `directory` may still take: their holes."""
+    held = 0
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for e in entries:
+            with contextlib.suppress(OSError):
+                if e.is_file(follow_symlinks=False):
+                    st = e.stat(follow_symlinks=False)
+                    held += max(st.st_size - st.st_blocks * 512, 0)
+    return held
 
 
 class StagingRoot:
@@ -67,8 +111,22 @@ class StagingRoot:
             if d != self.path and _unowned(d):
                 shutil.rmtree(d, ignore_errors=True)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.path / self.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(self.path / self.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def adopt(self) -> None:
+        """A leader worker on a host the API process is not on (a node of a
+        multi-node engine): create the directory there and hold it as the
+        API process holds its own, unless a process of this server already
+        does (the API process on its host, or another engine's leader)."""
+        with contextlib.suppress(BlockingIOError):
+            if not (self.path / self.LOCK).exists():
+                self.create()
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
@@ -158,3 +216,43 @@ class SharedBuffers:
 
 def _map(path: Path, nbytes: int) -> torch.Tensor:
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class StagingRole:
+    """This worker's part in the server's staging layout (SideOp.LAYOUT;
+    server/weights/staging_layout.py): its data-plane rank, or None when it
+    follows `leader`, whose staged copy in `directory` it reads at a load."""
+
+    plane_rank: int | None
+    leader: int
+    directory: Path | None = None  # the group's shared staging; None: its own copy
+    root: StagingRoot | None = field(default=None, repr=False, compare=False)  # held, if made
+
+    @classmethod
+    def alone(cls, rank: int) -> StagingRole:
+        """Before any layout: its own copy, as its own data-plane rank."""
+        return cls(rank, rank)
+
+    @classmethod
+    def assigned(cls, payload: dict, rank: int) -> StagingRole:
+        """Its role in a LAYOUT payload: {"roles": {rank: {"plane_rank",
+        "leader", "shared"}}, "boot_id": the server's}. A leader of a shared
+        group on a host where this server holds no directory yet makes it."""
+        role = payload["roles"][str(rank)]
+        if not role["shared"]:
+            return cls(role["plane_rank"], role["leader"])
+        root = StagingRoot(payload["boot_id"])
+        if role["plane_rank"] is not None:
+            root.adopt()
+        return cls(role["plane_rank"], role["leader"], root.path / f"g{role['leader']}", root)
+
+    @property
+    def follows(self) -> bool:
+        return self.plane_rank is None
+
+    def buffers(self, kind: str) -> SharedBuffers | None:
+        """The shared buffers of one kind of bucket, if this worker shares."""
+        if self.directory is None:
+            return None
+        return SharedBuffers(self.directory, kind, leader=not self.follows)

@@ -9,6 +9,15 @@ does not use is freed then, so a Staging never holds more than one push's
 buffers (a delta's patch buckets change size at every push: pooled by size
 and never trimmed, they piled up push after push).
 
+Pinned memory (a GPU server): only the staged copy (`pinned=True`), whose
+buffers go host-to-device at every load. It comes from PyTorch's caching host
+allocator (`pin_memory=True`), which rounds each block up to a power of two
+and keeps freed blocks cached for reuse, never returning them
+(c10/cuda/CUDACachingHostAllocator.cpp); so a pool buffer freed here is also
+released from that cache (`_host_emptyCache`), and a delta's patches, applied
+on the host and never copied to the GPU, are not pinned at all. The staged
+copy's bucket sizes repeat from push to push, so its pool reallocates nothing.
+
 A tensor larger than a bucket arrives split across consecutive buckets. At
 load time its chunks are copied, in order, into one new contiguous tensor:
 the one copy a split costs the server. Unsplit tensors stay zero-copy views.
@@ -55,6 +64,8 @@ class Staging:
     # Set when the TP workers of one host share one staged copy (host_share.py):
     # the leader's buffers are files there; a follower maps them at a load.
     shared: SharedBuffers | None = None
+    # Pinned on a GPU server: its buffers are copied to the GPU at every load.
+    pinned: bool = False
 
     def allocate(self, manifest: list[BucketManifest], device: torch.device) -> None:
         """Lay out buffers for a manifest, reusing last push's where sizes
@@ -63,15 +74,16 @@ class Staging:
         if self.shared is not None:
             return self._allocate_shared(manifest)
         pool, self._pool = self._pool, {}
+        pin = self.pinned and device.type == "cpu" and torch.cuda.is_available()
         for b in manifest:
             pooled = pool.get(b.nbytes)
             buf = pooled.pop() if pooled else None
             if buf is None or buf.device != device:
-                # Pinned on a GPU server: host-to-device copies at load run at full speed.
-                pin = device.type == "cpu" and torch.cuda.is_available()
                 buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
             self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf))
-        # What is left in `pool` goes with it.
+        if any(pool.values()):  # what the layout does not use goes, pinned or not
+            pool.clear()
+            _release_cached_pinned()
 
     def _allocate_shared(self, manifest: list[BucketManifest]) -> None:
         s = self.shared
@@ -120,6 +132,7 @@ class Staging:
         self._pool.clear()
         if self.shared is not None:
             self.shared.drop()
+        _release_cached_pinned()
 
     def check(self, expected: list[int]) -> None:
         """Every bucket arrived and matches the trainer's checksum, or raise."""
@@ -174,3 +187,12 @@ class Staging:
                 if p.last:
                     yield p.name, whole.view(torch_dtype(p.dtype)).view(p.shape)
                     whole = None
+
+
+def _release_cached_pinned() -> None:
+    """Return freed pinned blocks to the OS (module docstring): PyTorch's
+    caching host allocator keeps them otherwise. Frees only blocks no tensor
+    uses; a no-op without CUDA."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        empty()

@@ -14,17 +14,19 @@ group, or HTTP bodies). Blocking work (joining the group, receiving buckets)
 runs in background threads (bucket_receive.py), so the engine core keeps
 scheduling generation meanwhile; each sets this worker's CUDA device first.
 
-Roles: when the TP workers of one host share a staged copy (host_share.py),
-the first worker (the leader) joins the group, receives, checks and patches;
-the others (followers) take part in every op but only map the leader's
-buffers at the load. Otherwise every worker is its own leader.
+Roles: when TP workers share a staged copy (host_share.py; who does is decided
+at start, server/weights/staging_layout.py, and arrives as SideOp.LAYOUT), the
+first worker (the leader) joins the group, receives, checks and patches; the
+others (followers) take part in every op but only map the leader's buffers at
+the load. Otherwise every worker is its own leader. A delta's patches stay in
+the leader's own memory: only it reads them (PATCH), so /dev/shm holds one
+staged copy and an adapter's factors, never a delta besides.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,7 +48,7 @@ from rollout_sidecar.server.weights.worker.fault_injection import (
     corrupt_arrived,
     crash_after_load,
 )
-from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
+from rollout_sidecar.server.weights.worker.host_share import StagingRole, host_view
 from rollout_sidecar.server.weights.worker.patching import ResidentCopy, apply_patches
 from rollout_sidecar.server.weights.worker.receive_paths import GroupReceive, HttpStage
 from rollout_sidecar.server.weights.worker.reload import LoadRefused, load_all_or_nothing
@@ -69,7 +71,6 @@ class StagedUpdateInfo(WeightTransferUpdateInfo):
     adapter: dict | None = None  # RECEIVE/ALLOCATE: a LoRA adapter push's AdapterSpec
     lora_id: int | None = None  # LOAD of an adapter push: its vLLM LoRA id
     keep_ids: list[int] | None = None  # LOAD of an adapter push: the ids kept loaded
-    shared_dir: str | None = None  # RECEIVE/ALLOCATE: the host's shared staging (host_share.py)
 
 
 class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo]):
@@ -80,9 +81,12 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # `staging` holds a dense push's buckets, and after its load stays
-        # resident: the version a delta applies to. `patches` holds a delta.
-        self.staging = Staging()
+        # resident: the version a delta applies to. `delta` holds a delta's
+        # patches (the leader's alone), `patches` an adapter's factors.
+        self.staging = Staging(pinned=True)  # the only one copied to the GPU whole
         self.patches = Staging()
+        self.delta = Staging()
+        self.role = StagingRole.alone(self._worker_rank())
         self.resident = ResidentCopy()
         self._push: StagedUpdateInfo | None = None  # the push's RECEIVE/ALLOCATE
         self.connection = Connection()
@@ -103,7 +107,23 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 raise RuntimeError("relabel while a push is staged")
             self.resident.require(payload["base"])
             self.resident.version = payload["version"]
+        elif op is SideOp.HOST:
+            return {**host_view(), "dp_index": self.parallel_config.data_parallel_index}
+        elif op is SideOp.LAYOUT:
+            self._take_role(StagingRole.assigned(payload, self._worker_rank()))
         return self._state()
+
+    def _take_role(self, role: StagingRole) -> None:
+        """Stage as `role` says from now on (host_share.py); between pushes."""
+        if self._push is not None:
+            raise RuntimeError("layout while a push is staged")
+        self.shutdown()
+        for s in (self.staging, self.patches, self.delta):
+            s.drop_pool()
+        self.resident.version = None
+        self.role = role
+        self.staging.shared = role.buffers("staging")
+        self.patches.shared = role.buffers("patches")
 
     def _state(self) -> dict:
         recv = "failed" if self._error else "running" if self._receiving() else "idle"
@@ -114,18 +134,14 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     @property
     def staged_bytes(self) -> int:
         """Staging buffers held: the staged copy, patches, pooled buffers."""
-        return self.staging.held_bytes + self.patches.held_bytes
+        return self.staging.held_bytes + self.patches.held_bytes + self.delta.held_bytes
 
     # --------------------------------------------------------------- connection
 
     def init_transfer_engine(self, init_info: StagedInitInfo) -> None:
         """Start joining the trainer's group and return at once."""
         self.shutdown()
-        # Shared: one data-plane rank per engine, its leader's.
-        rank = self.parallel_config.data_parallel_index if init_info.shared \
-            else self._worker_rank()
-        self.connection.open(init_info, rank, self.device,
-                             follow=init_info.shared and not self._leads)
+        self.connection.open(init_info, self.role.plane_rank, self.device)
 
     def _worker_rank(self) -> int:
         # vLLM's numbering (nccl_common.worker_init_process_group): unique
@@ -134,15 +150,9 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         return pc.data_parallel_index * pc.world_size + pc.rank
 
     @property
-    def _leads(self) -> bool:
-        """Whether this worker would lead its engine's shared staging."""
-        return self.parallel_config.rank == 0
-
-    @property
     def _follower(self) -> bool:
-        """This push's buffers are another worker's (host_share.py)."""
-        shared = self.staging.shared
-        return shared is not None and not shared.leader
+        """This worker's buffers are another worker's (host_share.py)."""
+        return self.role.follows
 
     @property
     def _error(self) -> BaseException | None:
@@ -175,15 +185,16 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     @property
     def incoming(self) -> Staging:
         """Where this push's buckets land."""
-        return self.patches if self._delta_base is not None or self._adapter_only \
-            else self.staging
+        if self._delta_base is not None:
+            return self.delta
+        return self.patches if self._adapter_only else self.staging
 
     def start_weight_update(self) -> None:
         self._receiver = None  # a stale one ends alone, on its dropped group
         self._checked = False
         self._patched = False
         self._push = None
-        self.patches.release()  # the staged copy stays: a delta may apply to it
+        self._release_patches()  # the staged copy stays: a delta may apply to it
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # Overrides the base, which calls torch.accelerator.synchronize(): that
@@ -197,8 +208,6 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
 
     def receive_weights(self, info: StagedUpdateInfo) -> None:
         op = WorkerOp(info.op)
-        if op in (WorkerOp.ALLOCATE, WorkerOp.RECEIVE):
-            self._share(info.shared_dir)
         if self._follower and op in (WorkerOp.RECEIVE, WorkerOp.STAGE, WorkerOp.CHECK):
             # The leader receives and checks; a follower only keeps the layout.
             if op is WorkerOp.RECEIVE:
@@ -243,20 +252,11 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                 self.patches.detach()
             crash_after_load(self._worker_rank())
 
-    def _share(self, shared_dir: str | None) -> None:
-        """Stage in the host's shared buffers from now on, or not (host_share.py)."""
-        if shared_dir is None or self.staging.shared is not None:
-            return
-        directory = Path(shared_dir) / f"dp{self.parallel_config.data_parallel_index}"
-        self.staging.drop_pool()
-        self.patches.drop_pool()
-        self.staging.shared = SharedBuffers(directory, "staging", self._leads)
-        self.patches.shared = SharedBuffers(directory, "patches", self._leads)
-
     def _allocate(self, info: StagedUpdateInfo, device: torch.device) -> None:
         if info.delta_base is not None:
             self.resident.require(info.delta_base)
-            self.patches.allocate(_manifest(info), device)
+            if not self._follower:  # a follower never reads a delta's patches
+                self.delta.allocate(_manifest(info), device)
         elif info.adapter is not None and info.adapter.get("base_version") is not None:
             self.patches.allocate(_manifest(info), device)  # the staged copy stays
         else:
@@ -274,7 +274,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.resident.require(base)
         self.resident.version = None
         if not self._follower:
-            apply_patches(self.patches, self.staging)
+            apply_patches(self.delta, self.staging)
         self._patched = True
 
     def _load(self) -> None:
@@ -287,7 +287,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
                                     self._worker_rank())
         load_all_or_nothing(self.model, self.model_config, weights)
         self.resident.version = version  # kept: the next delta's base
-        self.patches.release()
+        self._release_patches()
 
     def _load_adapter(self, info: StagedUpdateInfo) -> None:
         """An adapter push: built (and checked) first, then its base weights
@@ -306,8 +306,12 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.patches.release()
 
     def finish_weight_update(self) -> None:
-        self.patches.release()  # the staged copy stays resident
+        self._release_patches()  # the staged copy stays resident
         self._push = None
+
+    def _release_patches(self) -> None:
+        self.patches.release()
+        self.delta.release()
 
     def _check_macs(self, info: StagedUpdateInfo) -> None:
         """With a connection secret, every bucket's tag must match: bytes the
@@ -346,7 +350,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             self.incoming.drop_pool()
             if rx.group is self.group:  # out of step with the trainer; a stale one's is gone
                 self.connection.drop_group()
-        self.patches.release()
+        self._release_patches()
         self._push = None
 
     def _join_receiver(self, timeout: float) -> bool:

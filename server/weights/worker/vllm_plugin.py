@@ -1,10 +1,15 @@
-"""vLLM general plugin, loaded by vLLM in every process it spawns (the engine
-core and its workers) before the model loads. It
+"""vLLM general plugin, loaded by vLLM in every process it starts (the engine
+core and its workers, and Ray's worker actors: `WorkerWrapperBase.init_worker`
+loads general plugins before it resolves the worker class) before the model
+loads. It
 
 - registers our weight-transfer backend (registering in the API process alone
   is not enough);
 - adds one worker method, `rollout_sidecar_call`, through which every op of
-  ops.py travels (worker_calls.py);
+  ops.py travels (worker_calls.py), in every process but the one that hosts
+  the engine (the API server, or a headless node's executor; it says so in
+  `ENGINE_HOST_PID_ENV`). It used to be added only in multiprocessing
+  children, which a Ray actor is not: under Ray every weight op failed;
 - asks the kernel to kill vLLM's child processes when their parent dies, so a
   SIGKILLed server leaves no orphaned EngineCore holding memory and ports.
 - on CPU, makes the engine core and workers nap while they wait for work,
@@ -18,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 
 BACKEND = "rollout_sidecar"
 _PR_SET_PDEATHSIG = 1
@@ -33,14 +39,37 @@ def register() -> None:
             BACKEND, "rollout_sidecar.server.weights.worker.transfer_engine",
             "StagedWeightTransferEngine")
     parent = multiprocessing.parent_process()
-    if parent is None:
-        return  # the API process itself: it owns its lifetime
-    _die_with_parent(parent.pid)
+    if parent is not None:
+        _die_with_parent(parent.pid)
+    if hosts_engine():
+        return  # it owns its lifetime, and runs no worker
     _add_worker_method()
     # Before the executor builds its message queues (engine/idle_wait.py).
     from rollout_sidecar.server.engine.idle_wait import wait_idle_on_cpu
 
     wait_idle_on_cpu()
+
+
+def hosts_engine() -> bool:
+    """Whether this process hosts the engine (module docstring). Without our
+    variable (vLLM started by someone else), a process that no
+    multiprocessing parent started and that is not a Ray worker."""
+    from rollout_sidecar.server.engine.engine_config import ENGINE_HOST_PID_ENV
+
+    host = os.environ.get(ENGINE_HOST_PID_ENV)
+    if host is not None:
+        return host == str(os.getpid())
+    return multiprocessing.parent_process() is None and not _in_ray_worker()
+
+
+def _in_ray_worker() -> bool:
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        return ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+    except Exception:  # noqa: BLE001 - not initialised: not an actor
+        return False
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
