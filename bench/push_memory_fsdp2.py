@@ -32,6 +32,8 @@ from push_memory import VOCAB, DropTransport
 from push_memory import build as build_plain
 from torch import nn
 
+from rollout_sidecar.trainer.collectives import all_gather_object
+
 MiB = 2**20
 WIRE = torch.bfloat16
 
@@ -75,8 +77,7 @@ def worker(args: argparse.Namespace) -> None:
         elapsed = time.perf_counter() - t0
     res = dict(rank=rank, extra=m.extra, seconds=elapsed, method=m.method,
                largest=max(p.numel() * p.element_size() for p in model.parameters()))
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, res)
+    out = all_gather_object(res)
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()

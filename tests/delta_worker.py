@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rollout_sidecar.trainer.collectives import all_gather_object
 from tests.fsdp_wrap import full_state_dict, wrap
 from tests.rank_worker import main
 
@@ -86,8 +87,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
         report["split"] = sum(1 for b in dense for s in b.params if s.chunk_offset is not None)
     delta = DeltaPush("host", dense_above=0.25)
     delta.committed(model, opening, 1)
-    report["copy_bytes_by_rank"] = [None] * dist.get_world_size()
-    dist.all_gather_object(report["copy_bytes_by_rank"], delta.copy.nbytes)
+    report["copy_bytes_by_rank"] = all_gather_object(delta.copy.nbytes)
 
     opt = torch.optim.Adam(model.parameters(), lr=1e-6)
     g = torch.Generator().manual_seed(1)

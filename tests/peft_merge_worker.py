@@ -20,6 +20,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from rollout_sidecar.trainer.collectives import settled
 from tests.fsdp_wrap import wrap
 from tests.rank_worker import main
 
@@ -88,7 +89,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
         # leave FSDP2's root unsharded)
         same = torch.tensor([int(all(torch.equal(a, b) for a, b in zip(
             before, local_state(model), strict=True)))])
-        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        settled(lambda t=same: dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True), [same])
         # the adapted forward, sharded (a collective), against the merged copy's
         got_lp, _ = trainer_logprobs(model, ids, None)
         with torch.no_grad():

@@ -55,8 +55,7 @@ def server_info(url: str) -> tuple[Any, dict]:
     """(rank 0's `GenerationClient` or None elsewhere, the server's /info as a
     dict on every rank): one rank asks, the others are told."""
     from rollout_sidecar.client import GenerationClient
+    from rollout_sidecar.trainer.collectives import broadcast_object
 
     client = GenerationClient(url) if dist.get_rank() == 0 else None
-    box = [client.info().model_dump() if client else None]
-    dist.broadcast_object_list(box, src=0)
-    return client, box[0]
+    return client, broadcast_object(client.info().model_dump() if client else None)

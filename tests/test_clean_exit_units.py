@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
 from rollout_sidecar.trainer.release import close_parts, close_when_gone
 from rollout_sidecar.trainer.transport.distributed import DistributedTransport
+from tests import processes
 from tests.polling import until
 
 pytestmark = pytest.mark.timeout(120)
@@ -259,3 +261,26 @@ def test_a_refused_connect_ends_its_own_join_at_once_and_leaves_nothing() -> Non
     assert transport._abandoned == [] and set(threading.enumerate()) <= threads
     assert master.num_keys() == before, master.list_keys()
     transport.close()
+
+
+# torch's object collectives (and a bare blocking collective) on a CPU group
+# leave their tensors to gloo's worker threads (trainer/collectives.py).
+_UNSETTLED = re.compile(
+    r"\bdist\.(all_gather_object|broadcast_object_list|gather_object|scatter_object_list|"
+    r"all_gather|all_reduce|broadcast|gather|reduce|scatter)\((?![^)]*async_op=True)")
+
+
+def test_torchrun_workers_gather_with_settled_collectives() -> None:
+    """A test worker that gathers its report with torch's `all_gather_object`
+    and returns aborts in teardown now and then: FSDP2's mesh keeps the gloo
+    threads alive into finalization, and one still letting go of the
+    collective's tensors takes the GIL there (the fidelity tests' rank 1, twice
+    in one CI run; bench/exit_after_collective.py: torch's 4 of 40 runs, ours
+    0 of 40). The workers and benches under torchrun use the settled ones
+    (`broadcast_object`, `all_gather_object`, `settled`); that bench's
+    baseline alone is marked."""
+    files = [*processes.REPO.glob("tests/**/*worker*.py"), *processes.REPO.glob("bench/*.py")]
+    found = [f"{f.relative_to(processes.REPO)}:{i}" for f in files if "gpu" not in f.parts
+             for i, line in enumerate(f.read_text().splitlines(), 1)
+             if _UNSETTLED.search(line) and "# unsettled: the baseline" not in line]
+    assert len(files) > 20 and not found, found

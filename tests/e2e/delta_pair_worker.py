@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 
+from rollout_sidecar.trainer.collectives import broadcast_object
 from tests.fidelity.fidelity_worker import build
 from tests.rank_worker import main
 
@@ -45,9 +45,8 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     by_dense = WeightPusher(args.dense_url, dense_admin, bucket_mb=1, delta=False)
     clients = [GenerationClient(args.delta_url),
                GenerationClient(args.dense_url, api_token=dense_api)] if rank == 0 else []
-    box = [max(c.info().weight_version for c in clients) if clients else None]
-    dist.broadcast_object_list(box, src=0)
-    version = box[0]
+    version = broadcast_object(max(c.info().weight_version for c in clients)
+                               if clients else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(2)
     report: dict = {"pushes": []}

@@ -16,8 +16,8 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
+from rollout_sidecar.trainer.collectives import broadcast_object
 from tests.rank_worker import main
 
 
@@ -125,9 +125,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
                     "url": u, "weight_version": o.weight_version,
                     "token_ids": [s.token_ids for s in o.results[0].samples],
                     "logprobs": [s.logprobs for s in o.results[0].samples]})
-        box = [out.model_dump() if out else None]
-        dist.broadcast_object_list(box, src=0)
-        served = box[0]
+        served = broadcast_object(out.model_dump() if out else None)
         # References: the trainer's own fp32 forward (sharded, a collective), the
         # same gathered weights in a plain bf16 transformers model (what the
         # server should equal), and the weights from before the step.

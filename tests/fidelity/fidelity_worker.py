@@ -23,6 +23,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from rollout_sidecar.trainer.collectives import all_gather_object
 from tests.fsdp_wrap import full_state_dict, wrap
 from tests.rank_worker import main, server_info
 
@@ -200,9 +201,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
             except WeightPushError as e:
                 run.update(error=str(e), error_type=type(e).__name__)
             # What every rank raised: a failed push must raise the same on all of them.
-            errors: list = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, run.get("error_type"))
-            run["error_types_by_rank"] = errors
+            run["error_types_by_rank"] = all_gather_object(run.get("error_type"))
             if rank == 0:
                 status = client.info()
                 run["version_now"] = status.weight_version
