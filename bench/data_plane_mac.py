@@ -37,9 +37,9 @@ def _run(rank: int, port: int, secret: bytes, nbytes: int, bucket: int, repeats:
          out: Any) -> None:
     import torch.distributed as dist
 
-    from rollout_sidecar.client.protocol.bucket_group import broadcast_group
-    from rollout_sidecar.client.protocol.bucket_mac import BucketMac, PushMacs
-    from rollout_sidecar.client.protocol.wire_format import crc32
+    from rollout_sidecar.protocol.data_plane.bucket_group import broadcast_group
+    from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac, PushMacs
+    from rollout_sidecar.protocol.data_plane.wire_format import crc32
 
     torch.set_num_threads(1)
     if rank == 0:

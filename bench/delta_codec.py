@@ -1,4 +1,4 @@
-"""Sparse patch forms side by side (client/protocol/delta_codec.py), no server.
+"""Sparse patch forms side by side (protocol/data_plane/delta_codec.py), no server.
 
 1. How much of a bf16 model changes in one optimizer step: a small Llama with
    fp32 master weights, one AdamW step at RL learning rates, cast to bf16
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from rollout_sidecar.client.protocol.delta_codec import PatchForm, apply, bits, encode
+from rollout_sidecar.protocol.data_plane.delta_codec import PatchForm, apply, bits, encode
 
 LINKS_GBIT = (2, 10, 25)
 

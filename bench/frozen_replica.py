@@ -10,7 +10,7 @@ serving again (its own count of answered /generate, from /metrics).
 Issue 26 item 3 measured [6, 0, 0, 868, 2094] and [8, 0, 0, 0, 0, 0] per 10 s
 after the freeze with per-thread clients: each found the frozen replica out
 alone, after `stall_timeout_s` (30 s). The process-wide liveness probe
-(client/liveness.py) should leave it within 10 s for every client.
+(protocol/calls/liveness.py) should leave it within 10 s for every client.
 
     flock /tmp/heavy.lock timeout 900 .venv/bin/python bench/frozen_replica.py \\
         [--threads 4] [--after-s 60] [--no-liveness]

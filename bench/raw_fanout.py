@@ -1,5 +1,5 @@
 """The floor under a push to N receivers: bytes only, through the product's
-own group and fan-out (client/protocol/bucket_group.py), no server, no pack, no CRC, no
+own group and fan-out (protocol/data_plane/bucket_group.py), no server, no pack, no CRC, no
 load. Rank 0 floats like the trainer; receiver i is pinned to core i like the
 replicas in push_replicas.py. Returns the median seconds to deliver
 `nbytes` in `bucket`-sized sends to every receiver."""
@@ -19,7 +19,7 @@ def _run(rank: int, world: int, port: int, fanout: str, nbytes: int, bucket: int
          repeats: int, out: Any) -> None:
     import torch.distributed as dist
 
-    from rollout_sidecar.client.protocol.bucket_group import (
+    from rollout_sidecar.protocol.data_plane.bucket_group import (
         broadcast_group,
         receive_bucket,
         send_bucket,

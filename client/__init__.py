@@ -1,55 +1,25 @@
-"""Client side of rollout-sidecar: call POST /generate from an RL loop.
+"""The rollout client: call POST /generate (and the OpenAI routes' versions)
+from an RL loop, across replicas, with retries and a liveness watch.
 
-Needs only httpx and pydantic. `rollout_sidecar.client.protocol`, the wire
-types every side shares, needs pydantic alone: the names below are loaded on
-first use, so the trainer and the server import the protocol without httpx.
+Needs only httpx and pydantic, never torch. The wire types come from
+`rollout_sidecar.protocol.schema`, which every side shares; the common ones
+are re-exported here.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-_EXPORTS = {
-    "AsyncGenerationClient": "rollout_sidecar.client.generation_client",
-    "GenerationClient": "rollout_sidecar.client.generation_client",
-    "RetryPolicy": "rollout_sidecar.client.request_plans",
-    "SidecarError": "rollout_sidecar.client.request_plans",
-    "LivenessPolicy": "rollout_sidecar.client.liveness",
-    "ReplicaState": "rollout_sidecar.client.replica_pool",
-    "GenerateRequest": "rollout_sidecar.client.protocol",
-    "GenerateResponse": "rollout_sidecar.client.protocol",
-    "Sample": "rollout_sidecar.client.protocol",
-    "SamplingConfig": "rollout_sidecar.client.protocol",
-    "VersionSpan": "rollout_sidecar.client.protocol",
-}
+from rollout_sidecar.client.generation_client import AsyncGenerationClient, GenerationClient
+from rollout_sidecar.client.replica_pool import ReplicaState
+from rollout_sidecar.client.request_plans import RetryPolicy, SidecarError
+from rollout_sidecar.protocol.calls.liveness import LivenessPolicy
+from rollout_sidecar.protocol.schema import (
+    GenerateRequest,
+    GenerateResponse,
+    Sample,
+    SamplingConfig,
+    VersionSpan,
+)
 
 __all__ = [
     "AsyncGenerationClient", "GenerateRequest", "GenerateResponse", "GenerationClient",
     "LivenessPolicy", "ReplicaState", "RetryPolicy", "Sample", "SamplingConfig", "SidecarError",
     "VersionSpan",
 ]
-
-if TYPE_CHECKING:
-    from rollout_sidecar.client.generation_client import (
-        AsyncGenerationClient,
-        GenerationClient,
-    )
-    from rollout_sidecar.client.liveness import LivenessPolicy
-    from rollout_sidecar.client.protocol import (
-        GenerateRequest,
-        GenerateResponse,
-        Sample,
-        SamplingConfig,
-        VersionSpan,
-    )
-    from rollout_sidecar.client.replica_pool import ReplicaState
-    from rollout_sidecar.client.request_plans import RetryPolicy, SidecarError
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # once: later lookups skip this function
-    return value

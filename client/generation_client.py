@@ -15,22 +15,13 @@ import concurrent.futures
 import functools
 import os
 import time
-import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import httpx
 
-from rollout_sidecar.client.liveness import LivenessPolicy
 from rollout_sidecar.client.liveness_registry import client_liveness
-from rollout_sidecar.client.protocol import (
-    GenerateRequest,
-    GenerateResponse,
-    InfoResponse,
-    SamplingConfig,
-)
-from rollout_sidecar.client.protocol.endpoints import auth_headers
 from rollout_sidecar.client.replica_pool import ReplicaPool, ReplicaState
 from rollout_sidecar.client.request_plans import (
     Call,
@@ -44,7 +35,15 @@ from rollout_sidecar.client.request_plans import (
     Timeouts,
     Watch,
 )
-from rollout_sidecar.client.stall_watch import Silent, run_watched, run_watched_async
+from rollout_sidecar.protocol.calls.liveness import LivenessPolicy
+from rollout_sidecar.protocol.calls.stall_watch import Silent, run_watched, run_watched_async
+from rollout_sidecar.protocol.schema import (
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    SamplingConfig,
+)
+from rollout_sidecar.protocol.schema.endpoints import auth_headers
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -117,24 +116,6 @@ def _awaited(build: Callable[P, Job[T]]) -> Callable[Concatenate[Any, P], Awaita
     return method
 
 
-def _renamed(url: Any, api_token: str | None, old: dict[str, Any]) -> tuple[Any, str | None]:
-    """`base_url` and `token`: the names before `url` and `api_token`, which
-    WeightPusher and sidecar_rollout_func use too; kept working until 0.3."""
-    for was, now in (("base_url", "url"), ("token", "api_token")):
-        if old.get(was) is not None:
-            warnings.warn(f"GenerationClient({was}=...) is now {now}=...; the old name goes "
-                          "in 0.3", DeprecationWarning, stacklevel=3)
-    return (url if url is not None else old.get("base_url"),
-            api_token if api_token is not None else old.get("token"))
-
-
-def _only_old(old: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(old) - {"base_url", "token"}
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
-    return old
-
-
 class _Replicated:
     """What both clients hold: the retry policy, the timeouts, the replica
     pool and its hold on the process-wide liveness verdicts."""
@@ -198,8 +179,7 @@ class GenerationClient(_Replicated):
                  timeout: float = 300.0, retry: RetryPolicy | None = None,
                  transport: httpx.BaseTransport | None = None, refresh_s: float = 30.0,
                  stall_timeout_s: float | None = 30.0,
-                 liveness: LivenessPolicy | None = LivenessPolicy(), **old: Any) -> None:
-        url, api_token = _renamed(url, api_token, _only_old(old))
+                 liveness: LivenessPolicy | None = LivenessPolicy()) -> None:
         super().__init__(url, api_token, timeout, retry, refresh_s, stall_timeout_s,
                          liveness, transport)
         self._http = httpx.Client(transport=transport, **self._http_kwargs)
@@ -265,8 +245,7 @@ class AsyncGenerationClient(_Replicated):
                  timeout: float = 300.0, retry: RetryPolicy | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
                  refresh_s: float = 30.0, stall_timeout_s: float | None = 30.0,
-                 liveness: LivenessPolicy | None = LivenessPolicy(), **old: Any) -> None:
-        url, api_token = _renamed(url, api_token, _only_old(old))
+                 liveness: LivenessPolicy | None = LivenessPolicy()) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None  # the last one a call ran on
         super().__init__(url, api_token, timeout, retry, refresh_s, stall_timeout_s,
                          liveness, transport)

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from rollout_sidecar.client.liveness import LivenessPolicy, Ping, ReplicaLiveness
+from rollout_sidecar.protocol.calls.liveness import LivenessPolicy, Ping, ReplicaLiveness
 
 Key = tuple[str, LivenessPolicy, Hashable]
 

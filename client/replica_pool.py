@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rollout_sidecar.client.liveness_registry import ClientLiveness
-from rollout_sidecar.client.protocol.endpoints import DNS_PREFIX, expand_urls, url_items
+from rollout_sidecar.protocol.schema.endpoints import DNS_PREFIX, expand_urls, url_items
 
 # A forced re-resolution (every replica down) at most this often: many
 # requests find the pool down at once, one lookup serves them all.

@@ -47,19 +47,16 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
 
-from rollout_sidecar.client.protocol.generate_api import GenerateResponse
 from rollout_sidecar.client.replica_pool import ReplicaPool
-from rollout_sidecar.client.stall_watch import Silent
+from rollout_sidecar.protocol.calls.failures import NEVER_SENT, RESET, STALLED
+from rollout_sidecar.protocol.calls.stall_watch import Silent
+from rollout_sidecar.protocol.schema.generate_api import GenerateResponse
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 # Worth retrying: the server is starting, draining or momentarily unreachable.
 RETRY_STATUS = {502, 503, 504}
-# How a try can fail at the transport: never reached the server, reached it
-# and heard nothing (a frozen replica, or httpx's own read bound), or lost the
-# connection mid-request.
-NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 class ReplicaFrozen(httpx.ReadTimeout):
@@ -79,8 +76,6 @@ class ReplicaFrozen(httpx.ReadTimeout):
                    f"({type(silent.cause).__name__})")
 
 
-STALLED = (httpx.ReadTimeout, httpx.WriteTimeout)
-RESET = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 # A liveness ping or version check is one small GET: a replica that cannot answer
 # it within this (or the stall bound, if shorter) is frozen or gone.
 PROBE_TIMEOUT_S = 5.0

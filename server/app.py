@@ -6,9 +6,8 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,9 +17,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine.lifecycle import GenerationEngine
 from rollout_sidecar.server.engine.version_gate import MinVersionTimeout
-from rollout_sidecar.server.engine.warmup import warm_up
 from rollout_sidecar.server.errors import BadRequest, PushConflict, ServiceUnavailable
 from rollout_sidecar.server.generate import router as generate
+from rollout_sidecar.server.generate.service import GenerateService
+from rollout_sidecar.server.generate.warmup import warm_up
 from rollout_sidecar.server.health import router as health
 from rollout_sidecar.server.listeners import Listeners
 from rollout_sidecar.server.metrics import router as metrics
@@ -35,8 +35,6 @@ from rollout_sidecar.server.weights.service import WeightService
 
 log = logging.getLogger("rollout_sidecar.server")
 
-EngineFactory = Callable[..., Any]
-
 
 def _error(status: int, message: str, field: str | None = None, detail: list | None = None,
            headers: dict | None = None) -> JSONResponse:
@@ -44,13 +42,14 @@ def _error(status: int, message: str, field: str | None = None, detail: list | N
                         status_code=status, headers=headers)
 
 
-def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = None,
-               model_path: Path | None = None, listeners: Listeners | None = None) -> FastAPI:
+def create_app(settings: ServerSettings, model_path: Path | None = None,
+               listeners: Listeners | None = None) -> FastAPI:
     """`model_path`: the checkpoint, if the caller resolved it already (see
     model_source.py). `listeners`: the ports `serve` holds (listeners.py); the
-    data plane binds its own without. `engine_factory` exists for unit tests
-    that say they use a fake engine."""
-    factory = engine_factory or GenerationEngine
+    data plane binds its own without.
+
+    The composition root: the engine first, then each feature on it (engine
+    <- generate, engine <- weights; the probe's scorer is handed over here)."""
     app_metrics = ServerMetrics()
     boot_id = uuid.uuid4().hex[:12]
 
@@ -58,17 +57,18 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         path = model_path or resolve_model(settings)
         log.info("loading %s (boot %s)", path, boot_id)
-        engine = factory(settings, path, app_metrics, boot_id)
+        engine = GenerationEngine(settings, path, app_metrics, boot_id)
         # Every error path below releases what was started: engine processes, port.
         with contextlib.ExitStack() as stack:
             stack.callback(engine.shutdown)
             await engine.start()
-            if getattr(engine, "llm", None) is not None:  # not for a fake engine
-                app.state.openai = await build_state(engine, settings.openai_args)
-                # First-request costs paid now, not by a trainer's first step.
-                await warm_up(engine)
+            app.state.openai = await build_state(engine, settings.openai_args)
+            # First-request costs paid now, not by a trainer's first step.
+            await warm_up(engine)
             app.state.engine = engine
-            app.state.weights = WeightService(engine, settings, app_metrics, boot_id)
+            app.state.generator = generator = GenerateService(engine)
+            app.state.weights = WeightService(engine, generator, settings, app_metrics,
+                                              boot_id)
             await app.state.weights.start(
                 listeners.take_data_plane_fd() if listeners else None)
             stack.callback(app.state.weights.plane.stop)
@@ -85,6 +85,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
     app.state.metrics = app_metrics
     app.state.boot_id = boot_id
     app.state.engine = None
+    app.state.generator = None
     app.state.ready = False
     app.state.not_ready_reason = "model loading"
     app.state.draining = False

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rollout_sidecar.client.protocol import CommitPolicy
+from rollout_sidecar.protocol.schema import CommitPolicy
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 ServeDtype = Literal["auto", "bfloat16", "float16", "float32"]

@@ -1,5 +1,5 @@
 """Errors the server answers on purpose, each with its status code. The app
-maps them to `{error, field, detail}` (client/protocol/generate_api.py: ErrorResponse)."""
+maps them to `{error, field, detail}` (protocol/schema/generate_api.py: ErrorResponse)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+
+from rollout_sidecar.server.config import ServerSettings
 
 # Closed in every forked child; see the module docstring.
 _HELD: set[socket.socket] = set()
@@ -96,7 +97,7 @@ class Listeners:
         return self.data_plane.detach()
 
 
-def open_listeners(settings: Any) -> Listeners:
+def open_listeners(settings: ServerSettings) -> Listeners:
     """Adopt the passed sockets or bind the configured ports, and record the
     ports actually held in `settings`."""
     held = []

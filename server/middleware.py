@@ -16,7 +16,7 @@ ALWAYS_OPEN = {"/health", "/ready", "/metrics"}
 ROUTES = {"/generate", "/health", "/ready", "/info", "/metrics", "/weights/connect",
           "/weights/disconnect", "/weights/begin", "/weights/prepare", "/weights/commit",
           "/weights/abort", "/weights/status", "/weights/index", "/weights/probe",
-          "/weights/verify", "/v1/completions", "/v1/chat/completions", "/v1/models"}
+          "/v1/completions", "/v1/chat/completions", "/v1/models"}
 
 
 class DrainAndMeasure:

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from rollout_sidecar.client.protocol import ErrorResponse
+from rollout_sidecar.protocol.schema import ErrorResponse
 
 _WHY = {
     "400": "The request is well-formed but cannot be served; `field` names the culprit "

@@ -62,13 +62,14 @@ def arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def body(args: argparse.Namespace, rank: int) -> dict:
-    from rollout_sidecar.client.protocol import BeginRequest
-    from rollout_sidecar.client.protocol.delta_codec import bits
-    from rollout_sidecar.client.protocol.wire_format import crc32
+    from rollout_sidecar.protocol.data_plane.delta_codec import bits
+    from rollout_sidecar.protocol.data_plane.wire_format import crc32
+    from rollout_sidecar.protocol.schema import BeginRequest
     from rollout_sidecar.server.weights.worker.patching import apply_patches
-    from rollout_sidecar.trainer.delta.delta_push import DeltaPush, Opening
+    from rollout_sidecar.trainer.delta.delta_push import DeltaPush
     from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
     from rollout_sidecar.trainer.pack.sender import BucketSender
+    from rollout_sidecar.trainer.push_opening import Opening
     from tests.test_split_buckets import LoopbackTransport, index_of, plan_of
 
     model = build(args.wrap)

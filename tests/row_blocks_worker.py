@@ -16,7 +16,7 @@ import argparse
 import torch
 from torch import nn
 
-from rollout_sidecar.client.protocol.wire_format import torch_dtype
+from rollout_sidecar.protocol.data_plane.wire_format import torch_dtype
 from tests.rank_worker import main
 
 BUCKET = 1024  # bytes: every large parameter spans many buckets and many blocks

@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from rollout_sidecar.client.protocol import AdapterSpec, BeginRequest, LoraStatus, WeightStatus
+from rollout_sidecar.protocol.schema import AdapterSpec, BeginRequest, LoraStatus, WeightStatus
 from rollout_sidecar.server.engine.adapter_table import AdapterTable
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec

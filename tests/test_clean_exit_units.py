@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollout_sidecar.client.protocol.bucket_group import broadcast_group
-from rollout_sidecar.client.protocol.signed_store import group_prefix
+from rollout_sidecar.protocol.data_plane.bucket_group import broadcast_group
+from rollout_sidecar.protocol.data_plane.signed_store import group_prefix
 from rollout_sidecar.trainer.collectives import settled
 from rollout_sidecar.trainer.control import replica_admins
 from rollout_sidecar.trainer.control.deadlines import Deadlines

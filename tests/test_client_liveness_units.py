@@ -1,4 +1,4 @@
-"""The process-wide liveness verdict (client/liveness.py; issue 26, item 3).
+"""The process-wide liveness verdict (protocol/calls/liveness.py; issue 26, item 3).
 
 Unit tests with fake servers: each replica is a tiny threaded HTTP server in
 this process, on 127.0.0.1 (the project allows fake servers only in unit

@@ -11,7 +11,7 @@ from tests.conftest import free_port
 
 OK = {"results": [{"prompt_token_ids": [1], "samples": [
     {"text": "a", "token_ids": [97], "logprobs": [-0.5], "finish_reason": "length"}]}],
-    "weight_version": 3, "weight_versions": [3],
+    "weight_version": 3, "versions_used": [3],
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 FAST = RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.02)
 
@@ -94,20 +94,14 @@ def test_async_client_is_the_same_api():
     assert len(calls) == 2 and b'"min_weight_version":3' in calls[1].content
 
 
-def test_the_old_argument_names_still_work_with_a_warning():
+def test_the_client_takes_url_and_api_token_as_the_pusher_names_them():
     """`url` and `api_token`, as WeightPusher and sidecar_rollout_func name
-    them; `base_url` and `token` keep working until 0.3."""
-    import warnings
-
+    them; a misspelt keyword is a TypeError, not ignored."""
     from rollout_sidecar.client import GenerationClient
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        GenerationClient("http://a:1", api_token="t").close()
-    with pytest.warns(DeprecationWarning, match="token=.*api_token="):
-        c = GenerationClient(base_url="http://a:1", token="t")
+    c = GenerationClient("http://a:1", api_token="t")
     assert c.replicas()[0].url == "http://a:1"
     assert c._http_kwargs["headers"]["Authorization"] == "Bearer t"
     c.close()
     with pytest.raises(TypeError, match="tokn"):
-        GenerationClient("http://a:1", tokn="t")
+        GenerationClient("http://a:1", tokn="t")  # type: ignore[call-arg]

@@ -38,7 +38,7 @@ def url(host: str) -> str:
 def generated(version: int) -> dict:
     return {"results": [{"prompt_token_ids": [1], "samples": [
         {"text": "a", "token_ids": [97], "logprobs": [-0.5], "finish_reason": "length"}]}],
-        "weight_version": version, "weight_versions": [version],
+        "weight_version": version, "versions_used": [version],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
 

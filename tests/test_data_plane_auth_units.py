@@ -13,22 +13,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollout_sidecar.client.protocol import ConnectRequest
-from rollout_sidecar.client.protocol.bucket_group import broadcast_group, close_group
-from rollout_sidecar.client.protocol.bucket_mac import (
+from rollout_sidecar.protocol.data_plane.bucket_group import broadcast_group, close_group
+from rollout_sidecar.protocol.data_plane.bucket_mac import (
     BucketMac,
     PushMacs,
     bucket_mac,
     new_secret,
     parse_secret,
 )
-from rollout_sidecar.client.protocol.signed_store import (
+from rollout_sidecar.protocol.data_plane.signed_store import (
     TAMPERED,
     RendezvousAborted,
     RendezvousTampered,
     SignedStore,
     delete_connection_keys,
 )
+from rollout_sidecar.protocol.schema import ConnectRequest
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,7 +18,7 @@ import threading
 import httpx
 import pytest
 
-from rollout_sidecar.client.protocol import CommitResponse
+from rollout_sidecar.protocol.schema import CommitResponse
 from rollout_sidecar.trainer import PartialCommitError, ReplicaError, ReplicaLostError
 from rollout_sidecar.trainer.control.admin_client import WeightAdminClient
 from rollout_sidecar.trainer.control.deadlines import Deadlines, Stalled, watched

@@ -1,4 +1,4 @@
-"""Sparse patches (client/protocol/delta_codec.py): every form restores the new
+"""Sparse patches (protocol/data_plane/delta_codec.py): every form restores the new
 tensor bit for bit; bit patterns, not values, decide what changed. The oracle
 is torch's own bitwise equality of the integer views."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_sidecar.client.protocol.delta_codec import (
+from rollout_sidecar.protocol.data_plane.delta_codec import (
     PatchForm,
     apply,
     bits,

@@ -68,7 +68,7 @@ def test_the_chunked_diff_finds_what_a_whole_tensor_compare_finds(monkeypatch, d
     by element where not (`bf16-unaligned`)."""
     import torch
 
-    from rollout_sidecar.client.protocol.delta_codec import bits
+    from rollout_sidecar.protocol.data_plane.delta_codec import bits
     from rollout_sidecar.trainer.delta import shard_copy
     from rollout_sidecar.trainer.delta.shard_pieces import Piece
 

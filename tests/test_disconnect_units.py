@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout_sidecar.client.protocol import BeginRequest, ConnectRequest, DisconnectRequest
+from rollout_sidecar.protocol.schema import BeginRequest, ConnectRequest, DisconnectRequest
 from rollout_sidecar.server.errors import PushConflict
 from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.ops import SideOp
@@ -45,7 +45,11 @@ class _FakeLLM:
 
 
 def _engine(llm: _FakeLLM) -> SimpleNamespace:
-    return SimpleNamespace(llm=llm, info=SimpleNamespace(workers=1, shared_staging=False))
+    """A fake `Engine` (unit test): what the weight service reads of one."""
+    from rollout_sidecar.server.engine.version_gate import VersionGate
+
+    return SimpleNamespace(llm=llm, info=SimpleNamespace(workers=1, shared_staging=False),
+                           gate=VersionGate(0))
 
 
 def _settings():
@@ -120,7 +124,8 @@ def test_a_connection_dropped_by_a_failed_push_or_its_own_reconnect_counts_as_re
 def test_the_service_refuses_to_disconnect_under_a_push_over_that_connection():
     async def main():
         llm = _FakeLLM()
-        svc = WeightService(_engine(llm), _settings(), metrics=None, boot_id="b")
+        svc = WeightService(_engine(llm), scorer=None, settings=_settings(), metrics=None,
+                            boot_id="b")
         await svc.connect(_connect("a", "trainer-a"))
         begin = BeginRequest(version=1, transport="gloo", connection_id="a",
                              buckets=[{"index": 0, "nbytes": 4, "params": []}])
@@ -140,7 +145,8 @@ def test_a_push_its_trainer_gave_up_on_ends_at_that_trainers_next_connect():
     already aborted elsewhere: the trainer's reconnect ends it, where another
     trainer's connect is still refused (issue 20)."""
     async def main():
-        svc = WeightService(_engine(_FakeLLM()), _settings(), metrics=None, boot_id="b")
+        svc = WeightService(_engine(_FakeLLM()), scorer=None, settings=_settings(),
+                            metrics=None, boot_id="b")
         failed = []
 
         async def on_failed(push, reason, outcome):

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from rollout_sidecar.client.protocol import GenerateResponse
+from rollout_sidecar.protocol.schema import GenerateResponse
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec
 from rollout_sidecar.trainer.gather.full_tensors import ParamInfo, param_plan, persistent_buffers
 from rollout_sidecar.trainer.pack.buckets import plan_buckets
@@ -58,7 +58,7 @@ def test_persistent_buffers_join_the_plan_after_the_parameters():
 def test_non_finite_logprobs_cross_the_wire_and_parse_back():
     body = {"results": [{"prompt_token_ids": [1], "samples": [
         {"text": "", "token_ids": [1, 2, 3], "logprobs": [-1.0, float("nan"), -math.inf],
-         "finish_reason": "length"}]}], "weight_version": 0, "weight_versions": [0],
+         "finish_reason": "length"}]}], "weight_version": 0, "versions_used": [0],
         "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
     wire = GenerateResponse.model_validate(body).model_dump_json()
     assert json.loads(wire)["results"][0]["samples"][0]["logprobs"] == [-1.0, "NaN",
@@ -141,7 +141,7 @@ def test_a_probe_over_its_drift_bound_passes_as_drift_and_is_never_suspect(
         served, passed, drifted, suspect):
     import asyncio
 
-    from rollout_sidecar.client.protocol import ProbeRequest
+    from rollout_sidecar.protocol.schema import ProbeRequest
     from rollout_sidecar.server.metrics.collectors import ServerMetrics
     from rollout_sidecar.server.weights.probe_scoring import ProbeScorer
 
@@ -149,7 +149,7 @@ def test_a_probe_over_its_drift_bound_passes_as_drift_and_is_never_suspect(
     engine = _Engine(served)
     req = ProbeRequest(version=3, token_ids=[5, 6, 7], trainer_logprobs=[-1.0, -2.0],
                        tolerance=0.1, drift_tolerance=0.01)
-    result = asyncio.run(ProbeScorer(engine, metrics).probe(req))
+    result = asyncio.run(ProbeScorer(engine.gate, engine, metrics).probe(req))
     assert (result.passed, result.drifted) == (passed, drifted)
     assert (3 in engine.gate.suspect) == suspect
     outcome = "drifted" if drifted else "passed" if passed else "failed"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_sidecar.client.protocol import BucketManifest
+from rollout_sidecar.protocol.schema import BucketManifest
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.data_plane import merge_states
 from rollout_sidecar.server.weights.ops import SideOp, WorkerCallFailed, WorkerOp
@@ -182,7 +182,7 @@ def test_staging_holds_one_push_of_buffers_whatever_the_sizes():
 
 def test_the_data_plane_joins_on_this_workers_device_from_its_own_thread(monkeypatch):
     """A thread starts on CUDA device 0; each TP worker's join must set its own."""
-    from rollout_sidecar.server.weights.worker import connection as conn
+    from rollout_sidecar.server.weights.worker import group_membership as conn
 
     seen: dict = {}
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.update(
@@ -201,12 +201,12 @@ def test_the_data_plane_joins_on_this_workers_device_from_its_own_thread(monkeyp
 def test_the_nccl_data_plane_is_our_communicator_not_a_process_group_nccl(monkeypatch):
     """PyTorch's ProcessGroupNCCL turns any failed work into the process's
     death via group 0's heartbeat monitor, whatever our group's settings
-    (client/protocol/nccl_library.py); so the NCCL data plane never builds
+    (protocol/data_plane/nccl_library.py); so the NCCL data plane never builds
     one, and never writes the environment (setenv from a thread races NCCL's
     getenv). The communicator itself runs in tests/gpu (a fake here)."""
     import datetime
 
-    from rollout_sidecar.client.protocol import bucket_group as bg
+    from rollout_sidecar.protocol.data_plane import bucket_group as bg
 
     class Refused:
         def __init__(self, *a, **k) -> None:

@@ -2,9 +2,12 @@
 at module level or inside a function), so a lazy import cannot hide a
 dependency that a plain `import` test would miss.
 
-    client/protocol  <-  client, trainer, server   (the neutral layer)
-    trainer  -/->  server, demo          server  -/->  trainer, demo
-    client   -/->  server, trainer, demo, and torch outside its six torch modules
+    protocol  <-  client, trainer, server   (the shared layer; imports none of them)
+    trainer  -/->  server, demo, client internals     server  -/->  trainer, demo, client
+    client   -/->  server, trainer, demo, torch
+    protocol/schema, protocol/calls  -/->  torch       (only protocol/data_plane has torch)
+    server/engine  -/->  the features on it (generate, openai_api, weights, health): one
+                         direction, engine <- feature; app.py wires them together
 
 Plus the runtime check: importing a package loads none of what its docstring
 says it never needs (a subprocess, so this process's imports do not count).
@@ -22,16 +25,24 @@ from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {"client": "client", "trainer": "trainer", "server": "server",
-            "demo": "examples/demo"}
-# The protocol's torch side: the data plane's framing, signing, patches and NCCL group;
-# imported by name only.
-TORCH_IN_CLIENT = {"client/protocol/wire_format.py", "client/protocol/bucket_group.py",
-                   "client/protocol/bucket_mac.py", "client/protocol/signed_store.py",
-                   "client/protocol/delta_codec.py", "client/protocol/nccl_group.py"}
+            "protocol": "protocol", "demo": "examples/demo"}
+# The only folder of `protocol/` (and of the client) that may import torch.
+TORCH_FOLDER = "protocol/data_plane/"
+# The client's internals: a trainer integration may drive rollouts through the
+# client's public names (`rollout_sidecar.client`), never through its modules.
+CLIENT_INTERNALS = "rollout_sidecar.client."
+# Folders held to more than their package's rules.
+FOLDER_FORBIDDEN = {
+    "server/engine/": {f"rollout_sidecar.server.{f}"
+                       for f in ("generate", "openai_api", "weights", "health", "app")},
+}
 FORBIDDEN = {
-    "client": {"rollout_sidecar.server", "rollout_sidecar.trainer", "rollout_sidecar.demo"},
-    "trainer": {"rollout_sidecar.server", "rollout_sidecar.demo", "vllm"},
-    "server": {"rollout_sidecar.trainer", "rollout_sidecar.demo"},
+    "client": {"rollout_sidecar.server", "rollout_sidecar.trainer", "rollout_sidecar.demo",
+               "torch"},
+    "trainer": {"rollout_sidecar.server", "rollout_sidecar.demo", "vllm", CLIENT_INTERNALS},
+    "server": {"rollout_sidecar.trainer", "rollout_sidecar.demo", "rollout_sidecar.client"},
+    "protocol": {"rollout_sidecar.server", "rollout_sidecar.trainer", "rollout_sidecar.client",
+                 "rollout_sidecar.demo", "vllm", "torch"},
 }
 
 
@@ -54,6 +65,8 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
 
 
 def _under(module: str, prefix: str) -> bool:
+    if prefix.endswith("."):  # a package's submodules, not the package itself
+        return module.startswith(prefix)
     return module == prefix or module.startswith(prefix + ".")
 
 
@@ -63,8 +76,11 @@ def violations() -> list[str]:
         for path in sorted((REPO / folder).rglob("*.py")):
             rel = str(path.relative_to(REPO))
             rules = set(FORBIDDEN.get(pkg, ()))
-            if pkg == "client" and rel not in TORCH_IN_CLIENT:
-                rules.add("torch")
+            if rel.startswith(TORCH_FOLDER):
+                rules.discard("torch")
+            for folder_, more in FOLDER_FORBIDDEN.items():
+                if rel.startswith(folder_):
+                    rules |= more
             for line, module in imports_of(path):
                 if bad := next((r for r in rules if _under(module, r)), None):
                     found.append(f"{rel}:{line} imports {module} ({pkg} must not import {bad})")
@@ -84,6 +100,7 @@ def test_the_rules_catch_a_crossing(tmp_path, monkeypatch):
     monkeypatch.setitem(PACKAGES, "client", "none")
     monkeypatch.setitem(PACKAGES, "trainer", "none")
     monkeypatch.setitem(PACKAGES, "demo", "none")
+    monkeypatch.setitem(PACKAGES, "protocol", "none")
     assert violations() == ["server/x.py:2 imports rollout_sidecar.trainer "
                             "(server must not import rollout_sidecar.trainer)"]
 
@@ -91,7 +108,8 @@ def test_the_rules_catch_a_crossing(tmp_path, monkeypatch):
 @pytest.mark.parametrize("package, forbidden", [
     ("rollout_sidecar.trainer", {"vllm", "transformers", "matplotlib", "fastapi"}),
     ("rollout_sidecar.client", {"vllm", "transformers", "matplotlib", "fastapi", "torch"}),
-    ("rollout_sidecar.client.protocol", {"torch", "httpx", "vllm"}),
+    ("rollout_sidecar.protocol.schema", {"torch", "httpx", "vllm"}),
+    ("rollout_sidecar.protocol.calls.stall_watch", {"torch", "vllm"}),
 ])
 def test_each_package_imports_only_what_its_docstring_says(package, forbidden):
     """The demo (transformers, tqdm, matplotlib) lives in rollout_sidecar.demo."""

@@ -1,5 +1,5 @@
 """The NCCL data plane's rendezvous and binding, the parts a CPU can run
-(client/protocol/nccl_group.py, nccl_library.py): real TCPStores and signed
+(protocol/data_plane/nccl_group.py, nccl_library.py): real TCPStores and signed
 stores, with a fake NCCL library that says so (no libnccl on a CPU machine).
 The communicator itself runs in tests/gpu/test_data_plane_gpu.py."""
 
@@ -13,8 +13,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from rollout_sidecar.client.protocol import nccl_group, nccl_library
-from rollout_sidecar.client.protocol.signed_store import (
+from rollout_sidecar.protocol.data_plane import nccl_group, nccl_library
+from rollout_sidecar.protocol.data_plane.signed_store import (
     RendezvousAborted,
     SignedStore,
     abort_connection,

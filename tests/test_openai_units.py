@@ -98,7 +98,7 @@ def test_submit_side_waits_for_every_generator_then_in_flight_for_every_finish()
                 await g.__anext__()
         assert counts(engine.gate) == (0, 0) and not engine.tracker.tracks
         assert tag.fields() == {"weight_version": 0, "versions_used": [0],
-                                "weight_versions": [0], "weight_suspect": False}
+                                "weight_suspect": False}
         with tag.current(), pytest.raises(LateSubmit):
             client.generate("p", None, "late")
         await tag.release()
@@ -142,7 +142,7 @@ def test_a_keep_commit_mid_request_is_reported():
             await engine.gate.publish(1, "keep")
         engine.llm.collectors["a"].queue.put_nowait(Out(finished=True))
         await gen.__anext__()
-        assert tag.fields()["weight_versions"] == [0, 1]
+        assert tag.fields()["versions_used"] == [0, 1]
         await tag.release()
 
     asyncio.run(main())

@@ -14,7 +14,7 @@ from peft import IA3Config, LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rollout_sidecar.client.protocol import BeginRequest
+from rollout_sidecar.protocol.schema import BeginRequest
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec
 from rollout_sidecar.server.weights.manifest_check import check_manifest
 from rollout_sidecar.trainer import WeightPushError
@@ -32,7 +32,7 @@ BUCKET = 1 << 15  # 32 KiB: many buckets, the larger weights split across them
 
 # A dense push with no buffers: what `_gather_and_send` is given (trainer/push_plan.py).
 def _dense_plan():  # noqa: ANN202
-    from rollout_sidecar.trainer.delta.delta_push import Opening
+    from rollout_sidecar.trainer.push_opening import Opening
     from rollout_sidecar.trainer.push_plan import PushPlan
 
     return PushPlan(Opening(False, "", {}, [], None, None), None, None)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_sidecar.server.weights.worker.connection import Connection
+from rollout_sidecar.server.weights.worker.group_membership import GroupMembership
 from rollout_sidecar.server.weights.worker.receive_paths import HOST, GroupReceive, HttpStage
 from rollout_sidecar.server.weights.worker.staging import StagedBucket
 
@@ -35,10 +35,10 @@ def test_http_stage_copies_a_bucket_in_and_refuses_what_does_not_fit():
 
 def test_a_group_receive_needs_a_group_and_stages_full_pushes_where_nccl_says():
     with pytest.raises(RuntimeError, match="not connected"):
-        GroupReceive(Connection(), torch.device("cpu"))
+        GroupReceive(GroupMembership(), torch.device("cpu"))
 
-    def joined(backend: str, staging: str) -> Connection:
-        c = Connection()
+    def joined(backend: str, staging: str) -> GroupMembership:
+        c = GroupMembership()
         c.joiner = SimpleNamespace(group=object(),
                                    info=SimpleNamespace(backend=backend, staging=staging))
         return c

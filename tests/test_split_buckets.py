@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 
-from rollout_sidecar.client.protocol import BeginRequest
+from rollout_sidecar.protocol.schema import BeginRequest
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec
 from rollout_sidecar.server.weights.manifest_check import check_manifest

@@ -33,7 +33,7 @@ def hosts(layout: list[tuple[str, int]], tp: int, dp: int = 1) -> list[WorkerHos
 
 def test_workers_that_see_one_roomy_shm_share_one_copy_and_the_first_receives():
     layout = plan(hosts([("a", ROOM)] * 4, tp=4), None, False, MODEL)
-    assert layout.shared and layout.receivers == 1 and not layout.warnings
+    assert layout.shared and layout.ranks == 1 and not layout.warnings
     roles = layout.roles()
     assert roles["0"] == {"plane_rank": 0, "leader": 0, "shared": True}
     assert all(roles[str(r)] == {"plane_rank": None, "leader": 0, "shared": True}
@@ -43,7 +43,7 @@ def test_workers_that_see_one_roomy_shm_share_one_copy_and_the_first_receives():
 def test_a_shm_without_room_for_the_copy_stages_per_worker_and_says_what_to_set():
     free = 512 * MIB
     layout = plan(hosts([("a", free)] * 2, tp=2), None, False, MODEL)
-    assert not layout.shared and layout.receivers == 2
+    assert not layout.shared and layout.ranks == 2
     assert [r["plane_rank"] for r in layout.roles().values()] == [0, 1]
     (warning,) = layout.warnings
     # The size needed, the room there, and every setting that gives it.
@@ -63,7 +63,7 @@ def test_required_sharing_that_does_not_fit_refuses_to_start_naming_the_fix():
 def test_sharing_turned_off_or_device_staging_stage_per_worker_without_a_warning():
     for share, device in ((False, False), (None, True), (True, True)):
         layout = plan(hosts([("a", ROOM)] * 2, tp=2), share, device, MODEL)
-        assert (layout.shared, layout.receivers, layout.warnings) == (False, 2, [])
+        assert (layout.shared, layout.ranks, layout.warnings) == (False, 2, [])
 
 
 def test_an_engine_across_two_hosts_shares_per_host_with_a_leader_on_each():
@@ -71,7 +71,7 @@ def test_an_engine_across_two_hosts_shares_per_host_with_a_leader_on_each():
     workers' /dev/shm, not vLLM's node count, says who shares."""
     layout = plan(hosts([("a", ROOM), ("a", ROOM), ("b", ROOM), ("b", ROOM)], tp=4), None,
                   False, MODEL)
-    assert layout.receivers == 2 and layout.leaders == [0, 2]
+    assert layout.ranks == 2 and layout.leaders == [0, 2]
     roles = layout.roles()
     assert [roles[str(r)]["leader"] for r in range(4)] == [0, 0, 2, 2]
     assert [roles[str(r)]["plane_rank"] for r in range(4)] == [0, None, 1, None]
@@ -93,9 +93,9 @@ def test_two_engines_on_one_host_share_one_copy_each():
 def test_a_worker_alone_on_its_shm_or_without_one_receives_for_itself():
     layout = plan([WorkerHost(0, 0, "n", None, 0, 0), WorkerHost(1, 0, "n", None, 0, 0)],
                   None, False, MODEL)
-    assert layout.receivers == 2 and "no /dev/shm" in layout.warnings[0]
+    assert layout.ranks == 2 and "no /dev/shm" in layout.warnings[0]
     single = plan(hosts([("a", ROOM)], tp=1), None, False, MODEL)
-    assert (single.receivers, single.shared, single.warnings) == (1, False, [])
+    assert (single.ranks, single.shared, single.warnings) == (1, False, [])
 
 
 def test_the_shm_id_is_the_mount_two_tmpfs_on_one_host_differ(tmp_path, monkeypatch):

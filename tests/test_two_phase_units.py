@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from rollout_sidecar.client.protocol import BeginRequest, CommitResponse
+from rollout_sidecar.protocol.schema import BeginRequest, CommitResponse
 from rollout_sidecar.server.errors import PushConflict
 from rollout_sidecar.server.weights.push_session import PushFailed, PushSession, PushState
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from rollout_sidecar.client.protocol import GenerateRequest, SamplingConfig
+from rollout_sidecar.protocol.schema import GenerateRequest, SamplingConfig
 from rollout_sidecar.server.engine.version_gate import MinVersionTimeout, VersionGate
 from rollout_sidecar.trainer.gather.full_tensors import ParamInfo, meta_modules, param_plan
 from rollout_sidecar.trainer.gather.names import normalize_name
@@ -139,7 +139,7 @@ def test_a_broken_gate_refuses_until_a_version_is_published():
 
 
 def test_manifest_check_refuses_partial_wrong_shape_and_dtype():
-    from rollout_sidecar.client.protocol import BeginRequest
+    from rollout_sidecar.protocol.schema import BeginRequest
     from rollout_sidecar.server.errors import BadRequest
     from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec
     from rollout_sidecar.server.weights.manifest_check import check_manifest

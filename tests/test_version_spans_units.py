@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace as NS
 
-from rollout_sidecar.client.protocol import GenerateResponse, Sample, VersionSpan
+from rollout_sidecar.protocol.schema import GenerateResponse, Sample, VersionSpan
 from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.engine.version_spans import sample_spans, versions_used
 
@@ -66,17 +66,18 @@ def test_versions_used_are_the_versions_the_spans_name():
     assert versions_used([a, None], 3) is None
 
 
-def test_a_sample_expands_its_spans_per_token_and_old_servers_still_parse():
+def test_a_sample_expands_its_spans_per_token():
     s = Sample(text="", token_ids=[7, 8, 9], finish_reason="length",
                weight_versions=[VersionSpan(version=1, start=0, end=1),
                                 VersionSpan(version=2, start=1, end=3)])
     assert s.token_versions() == [1, 2, 2]
     assert Sample(text="", token_ids=[7], finish_reason="stop").token_versions() is None
-    # A server older than versions_used sends only weight_versions (ints).
-    old = GenerateResponse.model_validate({
-        "results": [], "weight_version": 4, "weight_versions": [4, 5],
+    # The response's versions have one name: versions_used (weight_versions is
+    # each sample's spans); a key it does not know is ignored.
+    r = GenerateResponse.model_validate({
+        "results": [], "weight_version": 4, "versions_used": [4, 5],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
-    assert old.versions_used == [4, 5]
+    assert r.versions_used == [4, 5] and "weight_versions" not in r.model_dump()
 
 
 def test_a_keep_commit_restarts_only_the_runs_that_would_fall_past_their_bound():
@@ -100,7 +101,7 @@ def test_max_version_lag_is_a_non_negative_integer_and_results_say_their_restart
     import pytest
     from pydantic import ValidationError
 
-    from rollout_sidecar.client.protocol import GenerateRequest, PromptResult
+    from rollout_sidecar.protocol.schema import GenerateRequest, PromptResult
 
     assert GenerateRequest(prompts=["x"], max_version_lag=0).max_version_lag == 0
     for bad in (-1, 1.5, True):  # null is as absent: no bound

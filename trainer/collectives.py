@@ -42,10 +42,12 @@ _POLL_S = 0.0002
 
 
 def device() -> torch.device:
-    """Where the trainer group's collectives run: the current GPU under NCCL."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where the trainer group's collectives run: the host where its backend
+    takes CPU tensors (gloo: "cpu:gloo,cuda:gloo"), else the current GPU (NCCL:
+    "cuda:nccl"). Asked of torch's own map, not by the backend's name."""
+    if "cpu:" in dist.get_backend_config():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _holds(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
@@ -92,23 +94,35 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     return pickle.loads(payload.cpu().numpy().tobytes())
 
 
+def gather_bytes(payload: torch.Tensor, dst: int | None = None) -> list[torch.Tensor]:
+    """Every rank's `payload` (uint8, any length), in rank order, on the host:
+    on every rank (`dst` None) or on `dst` alone (the others get []). Each
+    rank's length goes first, then the payloads padded to the longest, every
+    collective `settled`."""
+    dev, world = device(), dist.get_world_size()
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    settled(lambda: dist.all_gather(sizes, size, async_op=True), [*sizes, size])
+    counts = [int(s) for s in sizes]
+    padded = torch.zeros(max(counts), dtype=torch.uint8, device=dev)
+    padded[: payload.numel()].copy_(payload)
+    if dst is not None and dist.get_rank() != dst:
+        settled(lambda: dist.gather(padded, None, dst=dst, async_op=True), [padded])
+        return []
+    bufs = [torch.empty_like(padded) for _ in range(world)]
+    if dst is None:
+        settled(lambda: dist.all_gather(bufs, padded, async_op=True), [padded, *bufs])
+    else:
+        settled(lambda: dist.gather(padded, bufs, dst=dst, async_op=True), [padded, *bufs])
+    return [b[:n].cpu() for b, n in zip(bufs, counts, strict=True)]
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's `obj` (pickled), in rank order, on every rank of the
     default group, as `dist.all_gather_object` would, but `settled`. torch's
     own leaves its tensors to the worker threads: a rank that exits soon
-    after (a report gathered, a barrier, then return) aborted 2 runs in 30
-    on this machine, from a gloo worker's `decref_pyobject` in teardown."""
-    dev = device()
-    world = dist.get_world_size()
-    data = pickle.dumps(obj)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    settled(lambda: dist.all_gather(sizes, size, async_op=True), [size, *sizes])
-    counts = [int(s.item()) for s in sizes]
-    mine = torch.zeros(max(counts), dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    mine = mine.to(dev)
-    outs = [torch.empty_like(mine) for _ in range(world)]
-    settled(lambda: dist.all_gather(outs, mine, async_op=True), [mine, *outs])
-    return [pickle.loads(o[:n].cpu().numpy().tobytes())
-            for o, n in zip(outs, counts, strict=True)]
+    after (a report gathered, a barrier, then return) aborted 4 runs in 40
+    on this machine, from a gloo worker's `decref_pyobject` in teardown
+    (bench/exit_after_collective.py)."""
+    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return [pickle.loads(b.numpy().tobytes()) for b in gather_bytes(mine)]

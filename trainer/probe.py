@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from rollout_sidecar.client.protocol import ProbeRequest, ProbeResult
+from rollout_sidecar.protocol.schema import ProbeRequest, ProbeResult
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins, failures
 from rollout_sidecar.trainer.control.serving_state import ServingState
 from rollout_sidecar.trainer.control.two_phase import live_versions

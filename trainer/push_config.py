@@ -9,13 +9,13 @@ collective rather than on rank 0 alone in the middle of a push.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
 
-from rollout_sidecar.client.protocol import CommitPolicy, Transport
+from rollout_sidecar.protocol.data_plane.transports import transport
+from rollout_sidecar.protocol.schema import CommitPolicy, Transport
 from rollout_sidecar.trainer.probe import Forward
 
 Fanout = Literal["auto", "broadcast", "chain"]
@@ -23,13 +23,6 @@ OnServerRestart = Literal["repush", "raise"]
 DeltaMode = Literal["auto", True, False]
 AdapterMode = Literal["auto", True, False]  # the same three answers, another question
 CopyLocation = Literal["host", "device"]
-
-# The probe was called "verify" before the vocabulary settled (check = CRCs,
-# probe = logprobs); the old keyword arguments keep working for one minor
-# version.
-DEPRECATED = {"verify": "probe", "verify_tolerance": "probe_tolerance",
-              "verify_every": "probe_every"}
-
 
 @dataclass
 class PushConfig:
@@ -146,7 +139,7 @@ class PushConfig:
 
     delta_dense_above: float = 0.25
     """A tensor with more than this share of its elements changed travels
-    whole inside a delta push (client/protocol/delta_codec.py measures the
+    whole inside a delta push (protocol/data_plane/delta_codec.py measures the
     break-even)."""
 
     def __post_init__(self) -> None:
@@ -161,8 +154,7 @@ class PushConfig:
                              f"{self.delta_dense_above!r}")
         if self.commit_policy is not None:
             _one_of("commit_policy", self.commit_policy, CommitPolicy)
-        if self.fanout == "chain" and self.transport != "gloo":
-            raise ValueError("fanout chain is for gloo (NCCL's broadcast is a pipelined ring)")
+        transport(self.transport).check_fanout(self.fanout)
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, not {self.bucket_mb!r}")
         if self.probe_tolerance is not None and not self.probe_tolerance > 0:
@@ -182,37 +174,9 @@ class PushConfig:
 
     @classmethod
     def build(cls, config: PushConfig | None, options: dict[str, Any]) -> PushConfig:
-        """`config` (or the defaults) with `options` (PushConfig's field names,
-        or the deprecated `verify*` ones) applied on top."""
-        options = deprecated_to_probe(options, stacklevel=4)
+        """`config` (or the defaults) with `options` (PushConfig's field names)
+        applied on top."""
         return dataclasses.replace(config, **options) if config else cls(**options)
-
-
-def deprecated_to_probe(options: dict[str, Any], stacklevel: int) -> dict[str, Any]:
-    """`verify*=` keyword arguments as `probe*=`, with a DeprecationWarning
-    pointing at the caller's line (`stacklevel` counted from here)."""
-    out = dict(options)
-    for old, new in DEPRECATED.items():
-        if old not in out:
-            continue
-        if new in out:
-            raise TypeError(f"pass {new}= only ({old}= is its deprecated name)")
-        warnings.warn(f"{old}= is deprecated, use {new}= (the probe was called verify)",
-                      DeprecationWarning, stacklevel=stacklevel)
-        out[new] = out.pop(old)
-    return out
-
-
-def probe_arguments(probe: bool | Forward | None, probe_tolerance: float | None,
-                    verify: bool | Forward | None, verify_tolerance: float | None
-                    ) -> tuple[bool | Forward | None, float | None]:
-    """`push()`'s probe arguments, its deprecated `verify*` ones read as such
-    (None: not given)."""
-    given = {"probe": probe, "probe_tolerance": probe_tolerance, "verify": verify,
-             "verify_tolerance": verify_tolerance}
-    # stacklevel: here, WeightPusher.push, its caller.
-    opts = deprecated_to_probe({k: v for k, v in given.items() if v is not None}, stacklevel=4)
-    return opts.get("probe"), opts.get("probe_tolerance")
 
 
 def _one_of(name: str, value: object, allowed: Any) -> None:

@@ -28,8 +28,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
-from rollout_sidecar.client.protocol import AdapterSpec
-from rollout_sidecar.trainer.delta.delta_push import DeltaPlan, Opening
+from rollout_sidecar.protocol.schema import AdapterSpec
+from rollout_sidecar.trainer.delta.delta_push import DeltaPlan
+from rollout_sidecar.trainer.push_opening import Opening
 from rollout_sidecar.trainer.push_result import Encoding
 
 T = TypeVar("T")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollout_sidecar.client.protocol import (
+from rollout_sidecar.protocol.schema import (
     BucketManifest,
     CommitResponse,
     PrepareResponse,
@@ -84,24 +84,14 @@ class PushResult:
 def server_timings(prepared: Sequence[PrepareResponse], outcomes: Sequence[ReplicaOutcome]
                    ) -> dict[str, float]:
     """The slowest replica's time for each server step, as `server_<key>`."""
-    # Servers before the check/verify rename answer `verify_s`: read it as
-    # `check_s`, so one key reaches the caller whichever server answered.
-    commits = [_renamed(o.timings) for o in outcomes]
+    commits = [o.timings for o in outcomes]
     keys = dict.fromkeys(k for t in commits for k in t)
     out = {f"server_{k}": max(t.get(k, 0.0) for t in commits) for k in keys}
     # The commit of a prepared push checks nothing; the prepare did. (One
     # replica commits unprepared: its commit's check_s is the check.)
     if prepared:
-        out["server_check_s"] = max(_renamed(p.timings).get("check_s", 0.0) for p in prepared)
+        out["server_check_s"] = max(p.timings.get("check_s", 0.0) for p in prepared)
     return out
-
-
-def _renamed(timings: dict[str, float]) -> dict[str, float]:
-    if "verify_s" not in timings:
-        return timings
-    t = {k: v for k, v in timings.items() if k != "verify_s"}
-    t.setdefault("check_s", timings["verify_s"])
-    return t
 
 
 def describe(outcomes: Sequence[ReplicaOutcome]) -> str:

@@ -31,16 +31,16 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from rollout_sidecar.client.protocol import BucketManifest, CommitPolicy
-from rollout_sidecar.client.protocol.wire_format import dtype_name
+from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
+from rollout_sidecar.protocol.schema import BucketManifest, CommitPolicy
 from rollout_sidecar.trainer.adapter.adapter_push import AdapterPush
 from rollout_sidecar.trainer.adapter.lora_adapter import LoraAdapter
 from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.control.serving_state import ServingState
 from rollout_sidecar.trainer.control.two_phase import TwoPhaseCommit
-from rollout_sidecar.trainer.delta.delta_push import DeltaPlan, DeltaPush, Opening, replicas_base
-from rollout_sidecar.trainer.errors import Error, PartialCommitError, from_kind
+from rollout_sidecar.trainer.delta.delta_push import DeltaPlan, DeltaPush, replicas_base
+from rollout_sidecar.trainer.errors import Error, from_kind
 from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
 from rollout_sidecar.trainer.gather.full_tensors import (
     MetaDeviceError,
@@ -53,7 +53,8 @@ from rollout_sidecar.trainer.gather.peft_merge import PeftMerge
 from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
 from rollout_sidecar.trainer.pack.sender import BucketSender
 from rollout_sidecar.trainer.probe import Forward, commit_with_forward, probe_push
-from rollout_sidecar.trainer.push_config import PushConfig, probe_arguments
+from rollout_sidecar.trainer.push_config import PushConfig
+from rollout_sidecar.trainer.push_opening import Opening
 from rollout_sidecar.trainer.push_plan import PushPlan, drained
 from rollout_sidecar.trainer.push_result import PushResult
 from rollout_sidecar.trainer.rank_agreement import agree, any_rank, broadcast, rank
@@ -61,8 +62,7 @@ from rollout_sidecar.trainer.release import close_parts, close_when_gone
 from rollout_sidecar.trainer.transport.base import Transport
 from rollout_sidecar.trainer.transport.registry import build_sender
 
-# PushResult and PartialCommitError lived here before the split: still importable.
-__all__ = ["PartialCommitError", "PushResult", "WeightPusher"]
+__all__ = ["WeightPusher"]
 
 
 class _Begun(NamedTuple):
@@ -85,8 +85,7 @@ class WeightPusher:
         config: how to push (push_config.py documents each field).
         **options: `PushConfig` fields as keyword arguments
             (`transport="http"`, `bucket_mb=64`, `probe=False`, ...), applied
-            on top of `config`. `verify`, `verify_tolerance` and
-            `verify_every` are deprecated names of the `probe*` ones.
+            on top of `config`.
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, admin_token: str | None = None,
@@ -127,8 +126,7 @@ class WeightPusher:
         self.config.commit_policy = policy
 
     def push(self, model: nn.Module, version: int, *, probe: bool | Forward | None = None,
-             probe_tolerance: float | None = None, verify: bool | Forward | None = None,
-             verify_tolerance: float | None = None, adapter: bool | None = None
+             probe_tolerance: float | None = None, adapter: bool | None = None
              ) -> PushResult:
         """Gather, send and commit `model` as `version`; call it on every rank.
 
@@ -137,14 +135,10 @@ class WeightPusher:
         rank after the server marked the version suspect. Turn it off when the
         model's forward cannot take a bare `input_ids` batch or has side
         effects, or when pushes are so frequent that one extra forward per push
-        matters (see docs/proofs.md, "The probe"). `verify=` and
-        `verify_tolerance=` are deprecated names of `probe=` and
-        `probe_tolerance=`. `adapter` (default: the pusher's `adapter`
-        setting) sends a PEFT LoRA model's adapter instead of merged weights.
+        matters (see docs/proofs.md, "The probe"). `adapter` (default: the
+        pusher's `adapter` setting) sends a PEFT LoRA model's adapter instead
+        of merged weights.
         """
-        if verify is not None or verify_tolerance is not None:
-            probe, probe_tolerance = probe_arguments(probe, probe_tolerance, verify,
-                                                     verify_tolerance)
         t0 = time.perf_counter()
         bad = meta_modules(model)
         if any_rank(bool(bad)):

@@ -6,7 +6,7 @@ the replicas' data plane at once, rather than leave them a lease to wait out.
 A pusher local to `main()` is collected when `main()` returns; one still
 alive at exit is closed by `weakref.finalize`'s atexit hook, which runs while
 the interpreter is whole, before finalization: what ending the gloo group
-needs (its threads join there; client/protocol/bucket_group.py,
+needs (its threads join there; protocol/data_plane/bucket_group.py,
 `close_group`). The finalizer holds the pusher's parts, never the pusher, so
 it keeps nothing alive; every part's close is idempotent.
 

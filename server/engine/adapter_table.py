@@ -22,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_sidecar.client.protocol import LoraStatus
+from rollout_sidecar.protocol.schema import LoraStatus
+from rollout_sidecar.server.config import ServerSettings
 
 SCHEME = "rollout-sidecar://"  # the path our worker recognises (worker/adapter_loading.py)
 
 
-def lora_engine_args(settings: Any) -> dict[str, Any]:
+def lora_engine_args(settings: ServerSettings) -> dict[str, Any]:
     """vLLM engine arguments for `--enable-lora` (none without it)."""
     if not settings.enable_lora:
         return {}
@@ -50,7 +51,7 @@ class LoadedAdapter:
 
 
 class AdapterTable:
-    def __init__(self, settings: Any, boot_id: str = "") -> None:
+    def __init__(self, settings: ServerSettings, boot_id: str = "") -> None:
         self.enabled = bool(settings.enable_lora)
         self.max_rank = settings.max_lora_rank
         self.keep = settings.lora_keep

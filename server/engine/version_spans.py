@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_sidecar.client.protocol import VersionSpan
+from rollout_sidecar.protocol.schema import VersionSpan
 from rollout_sidecar.server.engine.version_gate import VersionGate
 
 

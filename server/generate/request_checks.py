@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rollout_sidecar.client.protocol import GenerateRequest
+from rollout_sidecar.protocol.schema import GenerateRequest
+from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.errors import BadRequest
 
 
@@ -25,7 +26,7 @@ def _encodable(text: str, field: str) -> int:
                          f"{e.start}", field) from e
 
 
-def check_request(req: GenerateRequest, settings: Any) -> None:
+def check_request(req: GenerateRequest, settings: ServerSettings) -> None:
     if (err := req.sampling.range_error()) is not None:
         raise BadRequest(err[1], err[0])
     if req.min_weight_version is not None and req.min_weight_version < 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_sidecar.client.protocol import (
+from rollout_sidecar.protocol.schema import (
     GenerateRequest,
     GenerateResponse,
     PromptResult,
@@ -52,7 +52,6 @@ def build_response(req: GenerateRequest, start: int, prompt_ids: list[list[int]]
         versions = gate.versions_between(start, end)
     return GenerateResponse(
         results=results, weight_version=start, versions_used=versions,
-        weight_versions=versions,
         weight_suspect=any(v in gate.suspect for v in versions),
         boot_id=boot_id,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from rollout_sidecar.client.protocol import GenerateRequest, GenerateResponse
+from rollout_sidecar.protocol.schema import GenerateRequest, GenerateResponse
 from rollout_sidecar.server.auth import require_api_token
 
 router = APIRouter()
@@ -39,4 +39,4 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 @router.post("/generate", response_model=GenerateResponse,
              dependencies=[Depends(require_api_token)])
 async def generate(body: GenerateRequest, request: Request) -> Any:
-    return await until_disconnected(request, request.app.state.engine.generate(body))
+    return await until_disconnected(request, request.app.state.generator.generate(body))

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from rollout_sidecar.client.protocol import GenerateRequest, GenerateResponse, SamplingConfig
+from rollout_sidecar.protocol.schema import GenerateRequest, GenerateResponse, SamplingConfig
+from rollout_sidecar.server.engine.engine_api import Engine
 from rollout_sidecar.server.engine.request_tracking import Track, abort_quietly
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.generate import request_checks
 from rollout_sidecar.server.generate.response import build_response
 
-if TYPE_CHECKING:  # the engine builds this service: no import at run time
-    from rollout_sidecar.server.engine.lifecycle import GenerationEngine
-
 
 class GenerateService:
-    def __init__(self, engine: GenerationEngine) -> None:
+    """/generate and the probe's scoring (a `Scorer`), on the engine; app.py
+    builds it and keeps it as `app.state.generator`."""
+
+    def __init__(self, engine: Engine) -> None:
         # The engine, not its parts: llm, tokenizer and info exist only once
         # it started, and a restart replaces them.
         self.engine = engine

@@ -6,7 +6,7 @@ import asyncio
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 
-from rollout_sidecar.client.protocol import HealthResponse, InfoResponse
+from rollout_sidecar.protocol.schema import HealthResponse, InfoResponse
 from rollout_sidecar.server.auth import require_api_token
 from rollout_sidecar.server.weights.service import transports
 

@@ -5,7 +5,7 @@ work unchanged."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 router = APIRouter()
 
@@ -23,9 +23,7 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-def _vllm_registry():  # noqa: ANN202
-    try:
-        from vllm.v1.metrics.prometheus import get_prometheus_registry
-    except ImportError:  # unit tests with a fake engine, no vLLM installed
-        return REGISTRY
+def _vllm_registry() -> CollectorRegistry:
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
     return get_prometheus_registry()

@@ -47,7 +47,7 @@ from typing import Any
 
 from starlette.datastructures import State
 
-from rollout_sidecar.client.protocol import VersionSpan
+from rollout_sidecar.protocol.schema import VersionSpan
 from rollout_sidecar.server.engine.lifecycle import GenerationEngine
 from rollout_sidecar.server.engine.request_tracking import abort_quietly
 from rollout_sidecar.server.engine.version_gate import Lease
@@ -91,7 +91,6 @@ class RequestTag:
         gate = self.engine.gate
         versions = gate.versions_between(self.lease.version, self.last)
         return {"weight_version": self.lease.version, "versions_used": versions,
-                "weight_versions": versions,
                 "weight_suspect": any(v in gate.suspect for v in versions)}
 
     def finished_choice(self, prompt_index: int, output: Any) -> None:

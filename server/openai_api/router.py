@@ -2,7 +2,7 @@
 
 vLLM's own OpenAI handlers (state built in compat.py) behind our API
 token and version gate. Every response carries `weight_version`,
-`versions_used` (and its deprecated old name `weight_versions`) and
+`versions_used` and
 `weight_suspect` (in the JSON body; in every chunk of a stream) and an
 `X-Weight-Version` header; each finished choice carries its per-token
 `weight_versions` spans (in a stream: its last chunk). Requests accept
@@ -55,8 +55,8 @@ class _LeasedStream(StreamingResponse):
 
 def _vllm_state(request: Request) -> Any:
     state = request.app.state.openai
-    if state is None:  # a fake engine (unit tests) has no vLLM serving layer
-        raise ServiceUnavailable("the OpenAI routes need the vLLM engine")
+    if state is None:  # built once the engine started (app.py's lifespan)
+        raise ServiceUnavailable("the engine is still loading")
     return state
 
 

@@ -9,8 +9,8 @@ server's --max-lora-rank. Every module in `scaling` sends both factors.
 
 from __future__ import annotations
 
-from rollout_sidecar.client.protocol import AdapterSpec, TensorSlot
-from rollout_sidecar.client.protocol.adapter_api import lora_module
+from rollout_sidecar.protocol.schema import AdapterSpec, TensorSlot
+from rollout_sidecar.protocol.schema.adapter_api import lora_module
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec
 

@@ -23,13 +23,15 @@ import logging
 import time
 from typing import Any
 
-from rollout_sidecar.client.protocol import (
+from rollout_sidecar.protocol.schema import (
     CommitRequest,
     CommitResponse,
     LastPush,
     PrepareRequest,
     PrepareResponse,
 )
+from rollout_sidecar.server.config import ServerSettings
+from rollout_sidecar.server.engine.engine_api import Engine
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.weights import ops
@@ -54,9 +56,12 @@ class Laps:
         self._last = now
 
 
-class TwoPhaseCommit:
-    def __init__(self, engine: Any, settings: Any, metrics: ServerMetrics, plane: DataPlane,
-                 session: PushSession) -> None:
+class CommitPhases:
+    """This server's phases of a push's commit (prepare, commit, abort);
+    trainer/control/two_phase.py drives them across replicas."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings, metrics: ServerMetrics,
+                 plane: DataPlane, session: PushSession) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics

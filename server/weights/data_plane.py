@@ -32,12 +32,14 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.client.protocol import (
+from rollout_sidecar.protocol.data_plane.transports import transport
+from rollout_sidecar.protocol.schema import (
     ConnectRequest,
     ConnectResponse,
     DisconnectRequest,
     DisconnectResponse,
 )
+from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.ops import SideOp
@@ -56,7 +58,10 @@ REMEMBERED = 64  # ended connections remembered, for clear answers to late calls
 
 
 @dataclass
-class Connection:
+class TrainerLease:
+    """The trainer connection that holds this server's data plane: who, over
+    which backend, and how long its lease lasts without a call."""
+
     id: str
     backend: str
     last_active: float
@@ -73,17 +78,17 @@ class Connection:
 
 
 class DataPlane:
-    def __init__(self, llm: Any, settings: Any, receivers: int | None = None) -> None:
+    def __init__(self, llm: Any, settings: ServerSettings, ranks: int | None = None) -> None:
         self.llm = llm
         self.settings = settings
         # This server's ranks in the group: its workers, or one per host and
         # engine where they share a staged copy (the staging layout, set at start).
-        self.receivers = receivers or llm.vllm_config.parallel_config.world_size_across_dp
+        self.ranks = ranks or llm.vllm_config.parallel_config.world_size_across_dp
         # Where this server's workers reach the store (rendezvous_address.py; set at start).
         self.worker_store_host = "127.0.0.1"
         self.store: Any = None
         self.port = settings.data_plane_port
-        self.owner: Connection | None = None
+        self.owner: TrainerLease | None = None
         self.replaced: OrderedDict[str, str] = OrderedDict()  # old id -> who took over
         # Ended by a disconnect, a failed push or its own trainer's reconnect.
         self.released: OrderedDict[str, None] = OrderedDict()
@@ -126,10 +131,11 @@ class DataPlane:
         (the trainer died or gave up): the lock is the next trainer's at once."""
         now = time.monotonic()
         old = self.owner
-        workers = self.receivers
-        if req.fanout == "chain" and req.backend != "gloo":
-            raise BadRequest("fanout chain relays host memory: gloo only (NCCL's broadcast "
-                             "is already a pipelined ring)", "fanout")
+        workers = self.ranks
+        try:
+            transport(req.backend).check_fanout(req.fanout)
+        except ValueError as e:
+            raise BadRequest(str(e), "fanout") from None
         if req.rank_offset + workers > req.world_size:
             raise BadRequest(f"rank_offset {req.rank_offset} + this server's {workers} "
                              f"data-plane ranks exceed world_size {req.world_size}",
@@ -182,7 +188,7 @@ class DataPlane:
                 _remember(self.released, old.id, None)
             else:
                 _remember(self.replaced, old.id, req.connection_id)
-        self.owner = Connection(req.connection_id, req.backend, time.monotonic(),
+        self.owner = TrainerLease(req.connection_id, req.backend, time.monotonic(),
                                 req.trainer_id,
                                 authenticated=req.secret is not None and req.bucket_macs,
                                 stall_s=req.op_timeout_s)

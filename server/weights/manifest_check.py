@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_sidecar.client.protocol import BeginRequest, TensorSlot
-from rollout_sidecar.client.protocol.wire_format import itemsize
+from rollout_sidecar.protocol.data_plane.wire_format import itemsize
+from rollout_sidecar.protocol.schema import BeginRequest, TensorSlot
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 from rollout_sidecar.server.weights.adapter_check import AdapterFactors

@@ -15,11 +15,12 @@ and counted, never suspect, since in bf16 a healthy run's gap wanders that far
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
-from rollout_sidecar.client.protocol import ProbeRequest, ProbeResult
+from rollout_sidecar.protocol.schema import ProbeRequest, ProbeResult
+from rollout_sidecar.server.engine.engine_api import Scorer
+from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 
@@ -27,14 +28,15 @@ log = logging.getLogger(__name__)
 
 
 class ProbeScorer:
-    def __init__(self, engine: Any, metrics: ServerMetrics) -> None:
-        self.engine = engine
+    def __init__(self, gate: VersionGate, scorer: Scorer, metrics: ServerMetrics) -> None:
+        self.gate = gate
+        self.scorer = scorer
         self.metrics = metrics
         self.last: ProbeResult | None = None  # reported by /weights/status
 
     async def probe(self, req: ProbeRequest) -> ProbeResult:
         """Score the trainer's probe under the served version and record the gap."""
-        gate = self.engine.gate
+        gate = self.gate
         if req.version != gate.version:
             raise PushConflict(f"version {req.version} is not the served one ({gate.version})")
         if len(req.trainer_logprobs) != len(req.token_ids) - 1:
@@ -42,7 +44,7 @@ class ProbeScorer:
                              f"{len(req.token_ids) - 1} expected (one per token after the "
                              "first)", "trainer_logprobs")
         # float64: the gap and its mean add no rounding of their own.
-        served = torch.tensor(await self.engine.score(req.token_ids, req.version),
+        served = torch.tensor(await self.scorer.score(req.token_ids, req.version),
                               dtype=torch.float64)
         gap = (served - torch.tensor(req.trainer_logprobs, dtype=torch.float64)).abs()
         mean, worst = gap.mean().item(), gap.max().item()
@@ -67,7 +69,7 @@ class ProbeScorer:
     def _mark(self, version: int, passed: bool, mean: float, worst: float, tolerance: float,
               tokens: int) -> None:
         """Record the verdict on the gate, where /ready and every response read it."""
-        gate = self.engine.gate
+        gate = self.gate
         if passed:
             gate.suspect.pop(version, None)
         else:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from rollout_sidecar.client.protocol import BeginRequest, CommitResponse, LastPush
+from rollout_sidecar.protocol.schema import BeginRequest, CommitResponse, LastPush
 from rollout_sidecar.server.errors import PushConflict
 from rollout_sidecar.server.weights.receivers import receiver
 

@@ -1,10 +1,6 @@
-"""What each transport asks of this server, by name: the one place the server
-tells transports apart. The trainer's counterpart is
-trainer/transport/registry.py; the names are the wire's `Transport`
-(client/protocol/weights_api.py).
-
-Adding a transport is one name there, one sender in the trainer and one
-`Receiver` here; the push path asks the receiver what it does (joins the
+"""This server's half of each transport (protocol/data_plane/transports.py
+says what each one is; trainer/transport/registry.py holds the senders): how
+a push over it is received. The push path asks the receiver (joins the
 trainer's group? which worker op opens the receive?) instead of comparing
 names.
 """
@@ -13,19 +9,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollout_sidecar.protocol.data_plane.transports import TRANSPORTS, TransportKind
 from rollout_sidecar.server.weights.ops import WorkerOp
 
 
 @dataclass(frozen=True)
 class Receiver:
-    name: str
-    # The bytes come over the trainer's data-plane group (server/weights/
-    # data_plane.py): a push needs the connection that owns it, the workers
-    # receive in a thread, and a failed push drops the group on both sides.
-    # Otherwise they come as HTTP bodies, PUT /weights/bucket/{index}.
-    joins_group: bool
-    # Offered only where vLLM's platform is CUDA-alike (asked once the engine runs).
-    needs_gpu: bool = False
+    kind: TransportKind
+
+    @property
+    def name(self) -> str:
+        return self.kind.name
+
+    @property
+    def joins_group(self) -> bool:
+        """The bytes come over the trainer's data-plane group (data_plane.py): a
+        push needs the connection that owns it, the workers receive in a thread,
+        and a failed push drops the group on both sides. Otherwise they come as
+        HTTP bodies, PUT /weights/bucket/{index}."""
+        return self.kind.joins_group
+
+    @property
+    def needs_gpu(self) -> bool:
+        """Offered only where vLLM's platform is CUDA-alike (asked once the engine runs)."""
+        return self.kind.needs_gpu
 
     @property
     def opens_with(self) -> WorkerOp:
@@ -33,11 +40,7 @@ class Receiver:
         return WorkerOp.RECEIVE if self.joins_group else WorkerOp.ALLOCATE
 
 
-RECEIVERS = {r.name: r for r in (
-    Receiver("gloo", joins_group=True),  # host memory, everywhere
-    Receiver("nccl", joins_group=True, needs_gpu=True),  # GPU to GPU
-    Receiver("http", joins_group=False),  # only the HTTP port open between the two
-)}
+RECEIVERS = {name: Receiver(kind) for name, kind in TRANSPORTS.items()}
 
 
 def receiver(name: str) -> Receiver:

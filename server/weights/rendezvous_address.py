@@ -15,8 +15,7 @@ reach is refused then, naming the setting.
 
 from __future__ import annotations
 
-from typing import Any
-
+from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.weights.staging_layout import WorkerHost
 from rollout_sidecar.server.weights.worker.host_share import host_view
 
@@ -36,7 +35,7 @@ def remote_hosts(hosts: list[WorkerHost], here: str | None = None) -> list[str]:
     return sorted({f"{h.host} (worker rank {h.rank})" for h in hosts if h.net != here})
 
 
-def store_host(bind_host: str, hosts: list[WorkerHost], settings: Any,
+def store_host(bind_host: str, hosts: list[WorkerHost], settings: ServerSettings,
                here: str | None = None) -> str:
     """The address to hand every worker (module docstring)."""
     remote = remote_hosts(hosts, here)

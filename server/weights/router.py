@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Header, Request
 
-from rollout_sidecar.client.protocol import (
+from rollout_sidecar.protocol.schema import (
     AbortRequest,
     BeginRequest,
     BeginResponse,
@@ -46,12 +46,6 @@ async def probe(body: ProbeRequest, request: Request) -> ProbeResult:
     """Compare the trainer's logprobs of a probe sequence with the served ones;
     a gap over the tolerance marks the version suspect."""
     return await _svc(request).probe(body)
-
-
-# The probe's name before the vocabulary settled ("verify" now means nothing:
-# CRCs are "check"). Same handler; kept for one minor version.
-router.add_api_route("/verify", probe, methods=["POST"], response_model=ProbeResult,
-                     deprecated=True, summary="Probe (deprecated alias of /weights/probe)")
 
 
 @router.post("/connect", response_model=ConnectResponse)

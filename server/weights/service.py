@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rollout_sidecar.client.protocol import (
+from rollout_sidecar.protocol.schema import (
     BeginRequest,
     BeginResponse,
     CommitRequest,
@@ -38,10 +38,12 @@ from rollout_sidecar.client.protocol import (
     WeightIndex,
     WeightStatus,
 )
+from rollout_sidecar.server.config import ServerSettings
+from rollout_sidecar.server.engine.engine_api import Engine, Scorer
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.weights import ops, rendezvous_address, staging_layout
-from rollout_sidecar.server.weights.commit import TwoPhaseCommit
+from rollout_sidecar.server.weights.commit import CommitPhases
 from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.manifest_check import check_manifest
 from rollout_sidecar.server.weights.ops import WorkerOp
@@ -61,8 +63,8 @@ def transports() -> list[str]:
 
 
 class WeightService:
-    def __init__(self, engine: Any, settings: Any, metrics: ServerMetrics,
-                 boot_id: str) -> None:
+    def __init__(self, engine: Engine, scorer: Scorer, settings: ServerSettings,
+                 metrics: ServerMetrics, boot_id: str) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
@@ -73,12 +75,14 @@ class WeightService:
         self.layout: staging_layout.StagingLayout | None = None
         self.shared_root: StagingRoot | None = None
         self.session = PushSession(self._on_failed)
-        self.commits = TwoPhaseCommit(engine, settings, metrics, self.plane, self.session)
+        self.commits = CommitPhases(engine, settings, metrics, self.plane, self.session)
         self.watchdog = PushWatchdog(self.session, self.plane, settings)
-        self.probes = ProbeScorer(engine, metrics)
+        self.probes = ProbeScorer(engine.gate, scorer, metrics)
         # The gate refuses a min_weight_version at once when no push could bring it.
-        if (gate := getattr(engine, "gate", None)) is not None:  # unit tests' fakes lack one
-            gate.push_pending = lambda: self.session.current is not None
+        engine.gate.push_pending = self._push_pending
+
+    def _push_pending(self) -> bool:
+        return self.session.current is not None
 
     @property
     def llm(self) -> Any:
@@ -109,7 +113,7 @@ class WeightService:
             self.shared_root = StagingRoot(self.boot_id)
             self.shared_root.create()
         await staging_layout.assign(self.llm, layout, self.boot_id)
-        self.plane.receivers = layout.receivers
+        self.plane.ranks = layout.ranks
         self.plane.start(listen_fd)
 
     async def stop(self) -> None:
@@ -131,7 +135,7 @@ class WeightService:
             push_state=self.session.state.value, push_in_progress=p is not None,
             push_id=p.push_id if p else None,
             connected=self.plane.owner.id if self.plane.owner else None,
-            data_plane_port=self.plane.port, data_plane_ranks=self.plane.receivers,
+            data_plane_port=self.plane.port, data_plane_ranks=self.plane.ranks,
             staging_layout=self.layout.describe() if self.layout else None,
             transports=transports(),
             push_timeout_s=self.settings.push_timeout_s,
@@ -266,5 +270,3 @@ class WeightService:
 
     async def probe(self, req: ProbeRequest) -> ProbeResult:
         return await self.probes.probe(req)
-
-    verify = probe  # the name before "probe" (POST /weights/verify, deprecated)

@@ -80,7 +80,7 @@ class StagingLayout:
         return sorted(r for g in self.groups for r in (g.ranks[:1] if g.shared else g.ranks))
 
     @property
-    def receivers(self) -> int:
+    def ranks(self) -> int:
         """This server's ranks in the data-plane group."""
         return len(self.leaders)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
+from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.ops import SideOp
 from rollout_sidecar.server.weights.push_session import Push, PushSession, PushState
@@ -28,7 +28,7 @@ WATCH_S = 0.5
 
 
 class PushWatchdog:
-    def __init__(self, session: PushSession, plane: DataPlane, settings: Any) -> None:
+    def __init__(self, session: PushSession, plane: DataPlane, settings: ServerSettings) -> None:
         self.session = session
         self.plane = plane
         self.settings = settings

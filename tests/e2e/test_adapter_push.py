@@ -193,6 +193,6 @@ def test_a_request_in_flight_finishes_on_its_own_adapter(srv):
     r = box["r"]
     assert box["done"], "the request finished before v+2 committed: it proved nothing"
     assert res.encoding == "adapter" and res.probe.passed
-    assert r.weight_version == v + 1 and r.weight_versions == [v + 1], r.weight_versions
+    assert r.weight_version == v + 1 and r.versions_used == [v + 1], r.versions_used
     got = [s.token_ids for res in r.results for s in res.samples]
     assert got == [s.token_ids for res in alone.results for s in res.samples]

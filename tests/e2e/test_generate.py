@@ -33,7 +33,7 @@ def test_every_token_has_a_logprob_matching_transformers(server):
     with server.client() as c:
         r = c.generate(prompt_token_ids=[[104, 105, 32], [7, 8, 9, 10]],
                        sampling=dict(n=2, max_tokens=20, seed=3))
-    assert r.weight_version == r.weight_versions[0]
+    assert r.versions_used == [r.weight_version]
     model = AutoModelForCausalLM.from_pretrained(server.model_path, dtype=torch.bfloat16)
     deltas = []
     for p in r.results:

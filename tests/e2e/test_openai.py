@@ -76,8 +76,10 @@ def test_two_turn_chat_matches_generate_token_for_token(srv):
     first, header = chat(srv, [{"role": "user", "content": "hi"}])
     ids1, p1 = first.choices[0].token_ids, first.prompt_token_ids
     lps1 = [t.logprob for t in first.choices[0].logprobs.content]
-    assert first.weight_version == header == v and first.weight_versions == [v]
-    assert first.versions_used == [v] and first.weight_suspect is False
+    assert first.weight_version == header == v and first.versions_used == [v]
+    assert first.weight_suspect is False
+    # One name, one meaning: the response's versions are versions_used, never weight_versions.
+    assert not hasattr(first, "weight_versions")
     # The choice's per-token spans, in vLLM's and SGLang's shape: every token from v.
     assert first.choices[0].weight_versions == [{"version": v, "start": 0, "end": len(ids1),
                                                  "resumed": False}]
@@ -129,7 +131,7 @@ def test_every_stream_chunk_carries_the_version(srv):
     chunks = list(stream)
     assert len(chunks) >= 3
     versions = {c.weight_version for c in chunks}
-    assert len(versions) == 1 and all(c.weight_versions == [*versions] for c in chunks)
+    assert len(versions) == 1 and all(c.versions_used == [*versions] for c in chunks)
     # Streamed and non-streamed: the same tokens for the same seed.
     whole, _ = chat(srv, [{"role": "user", "content": "hi"}], max_tokens=6)
     streamed = [t for c in chunks if c.choices
@@ -247,7 +249,7 @@ def test_a_push_aborts_a_stream_and_the_version_advances(srv):
               if c.get("finish_reason")}
     assert "abort" in finish.values()  # the commit ended it ...
     # ... and every chunk names only the version that produced it.
-    assert {(ch["weight_version"], tuple(ch["weight_versions"])) for ch in chunks} == {
+    assert {(ch["weight_version"], tuple(ch["versions_used"])) for ch in chunks} == {
         (v, (v,))}
     # Aborted choices carry their spans too: every token they got, from v.
     streamed: dict[int, int] = {}
@@ -260,7 +262,7 @@ def test_a_push_aborts_a_stream_and_the_version_advances(srv):
                                                 if streamed[c["index"]] else []), c
 
     after, header = chat(srv, messages, extra_body={"min_weight_version": v + 1})
-    assert after.weight_version == header == v + 1 and after.weight_versions == [v + 1]
+    assert after.weight_version == header == v + 1 and after.versions_used == [v + 1]
     lps = [t.logprob for t in after.choices[0].logprobs.content]
     assert lps != [t.logprob for t in before.choices[0].logprobs.content]
     # And they are the pushed weights' logprobs, as /generate scores them now.

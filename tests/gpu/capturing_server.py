@@ -13,7 +13,7 @@ import zlib
 
 import torch
 
-from rollout_sidecar.client.protocol import (
+from rollout_sidecar.protocol.schema import (
     BeginResponse,
     CommitResponse,
     LastPush,

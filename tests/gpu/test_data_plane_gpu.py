@@ -16,7 +16,7 @@ as two hosts would. With two GPUs the worker takes the second.
   heartbeat monitor set to kill within seconds: our communicator is not
   PyTorch's, so nothing tells that monitor, and the process lives well past
   its timeout. The control, the same peer death on a `ProcessGroupNCCL` data
-  plane (what we had), kills the process (client/protocol/nccl_library.py).
+  plane (what we had), kills the process (protocol/data_plane/nccl_library.py).
 - Device staging: each bucket's CRC is taken in the receive thread as it
   lands, so the check has nothing to copy. One GPU.
 - A refused NCCL connect ends at once: rank 0 waits for the replicas in the
@@ -90,7 +90,7 @@ def _trainer(port: int, plan: str, out: mp.Queue, old_way: bool = False) -> None
     """Rank 0 on cuda:0: joins from a new thread, as the pusher does."""
     faulthandler.dump_traceback_later(DEADLINE_S - 10, exit=True)
     _as_host("trainer")
-    from rollout_sidecar.client.protocol.bucket_group import broadcast_group, send_bucket
+    from rollout_sidecar.protocol.data_plane.bucket_group import broadcast_group, send_bucket
 
     torch.cuda.set_device(0)
     if old_way:
@@ -123,11 +123,11 @@ def _c10d_group(port: int, rank: int) -> object:
 
 def _worker(port: int, out: mp.Queue, group_0: bool = False, old_way: bool = False) -> None:
     """A server worker whose data-plane threads never set a device themselves:
-    the join (as worker/connection.py's Joiner does it: that module needs
+    the join (as worker/group_membership.py's Joiner does it: that module needs
     vLLM, which this machine lacks) and the receive thread must."""
     faulthandler.dump_traceback_later(DEADLINE_S - 10, exit=True)
     _as_host("worker")
-    from rollout_sidecar.client.protocol.bucket_group import broadcast_group
+    from rollout_sidecar.protocol.data_plane.bucket_group import broadcast_group
     from rollout_sidecar.server.weights.worker.bucket_receive import (
         Receive,
         receive_broadcast,
@@ -333,7 +333,7 @@ def _refused_trainer(port: int, out: mp.Queue) -> None:
     faulthandler.dump_traceback_later(DEADLINE_S - 10, exit=True)
     import time
 
-    from rollout_sidecar.client.protocol.signed_store import group_prefix
+    from rollout_sidecar.protocol.data_plane.signed_store import group_prefix
     from rollout_sidecar.trainer.control.deadlines import Deadlines
     from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
     from rollout_sidecar.trainer.errors import WeightPushError

@@ -19,8 +19,9 @@ def test_a_cuda_fsdp2_delta_restores_the_full_state_dict():
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rollout_sidecar.client.protocol.delta_codec import apply, bits
-    from rollout_sidecar.trainer.delta.delta_push import DeltaPush, Opening
+    from rollout_sidecar.protocol.data_plane.delta_codec import apply, bits
+    from rollout_sidecar.trainer.delta.delta_push import DeltaPush
+    from rollout_sidecar.trainer.push_opening import Opening
     from tests.gpu.test_push_gpu import _group
 
     _group()

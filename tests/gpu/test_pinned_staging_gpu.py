@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_sidecar.client.protocol import BucketManifest
+from rollout_sidecar.protocol.schema import BucketManifest
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -96,10 +96,11 @@ def check(reports: list[dict]) -> None:
         for g in r["generations"]:
             pushed = [p["version"] for p in pushes if p["step"] <= g["step"]][-1]
             assert g["min_weight_version"] == pushed, (g, pushes)
-            assert set(g["weight_versions"]) == {pushed}, (g, pushes)
+            assert set(g["completion_versions"]) == {pushed}, (g, pushes)
         # The reward function received each completion's version.
-        assert r["reward_versions"] == [v for g in r["generations"] for v in g["weight_versions"]]
-    read = {v for r in reports for g in r["generations"] for v in g["weight_versions"]}
+        assert r["reward_versions"] == [v for g in r["generations"]
+                                        for v in g["completion_versions"]]
+    read = {v for r in reports for g in r["generations"] for v in g["completion_versions"]}
     assert set(versions) <= read, "a push no generation read"
     logs = [e for e in first["log_history"] if "reward" in e]
     assert len(logs) == len(first["generations"]), first["log_history"]

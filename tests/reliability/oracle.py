@@ -39,7 +39,7 @@ class Sample:
     prompt: list[int]
     tokens: list[int]
     logprobs: list[float]
-    claimed: list[int]  # weight_versions of the response
+    claimed: list[int]  # versions_used of the response
     response: int = 0  # which response it came in (versions are per response)
 
 

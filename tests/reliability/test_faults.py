@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from rollout_sidecar.client.protocol.signed_store import group_prefix
+from rollout_sidecar.protocol.data_plane.signed_store import group_prefix
 from rollout_sidecar.trainer import WeightPusher, WeightPushError
 from tests.polling import until
 from tests.reliability.conftest import LEASE_S, served_version
@@ -296,7 +296,7 @@ def test_a_rogue_on_the_data_plane_port_is_named_and_keys_do_not_pile_up(reliabl
     push retries under fresh ids and secrets and either gets through or fails
     naming the tampering, never std::bad_alloc; the old version serves; then
     clean pushes (each reconnecting) leave the store's key count flat."""
-    from rollout_sidecar.client.protocol.signed_store import TAMPERED
+    from rollout_sidecar.protocol.data_plane.signed_store import TAMPERED
 
     rogue, stop, hits = _data_plane_store(reliable), threading.Event(), []
 

@@ -43,7 +43,7 @@ def test_wait_finishes_in_flight_on_the_old_weights(reliable, trainer):
     v, in_flight, result, after = push_during_long_request(reliable, trainer, "wait", n=8,
                                                            max_tokens=200)
     assert result.version == v + 1 and result.commit_policy == "wait"
-    assert in_flight.weight_versions == [v]
+    assert in_flight.versions_used == [v]
     assert all(s.finish_reason in ("stop", "length") and len(s.token_ids) > 0
                for p in in_flight.results for s in p.samples)
     assert after.weight_version == v + 1
@@ -56,4 +56,4 @@ def test_abort_ends_in_flight_and_keeps_the_tokens_so_far(reliable, trainer):
     samples = [s for p in in_flight.results for s in p.samples]
     assert any(s.finish_reason == "abort" for s in samples)
     assert all(len(s.token_ids) == len(s.logprobs) for s in samples if s.logprobs)
-    assert in_flight.weight_versions == [v] and after.weight_version == v + 1
+    assert in_flight.versions_used == [v] and after.weight_version == v + 1

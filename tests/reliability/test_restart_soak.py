@@ -108,7 +108,7 @@ def test_a_replica_killed_and_restarted_under_load(reliable, replica_b, oracle):
                 requests[0] += 1
                 for s in r.results[0].samples:
                     samples.append(Sample(prompts[0], s.token_ids, s.logprobs,
-                                          r.weight_versions, requests[0]))
+                                          r.versions_used, requests[0]))
                 stop.wait(THINK_S)
 
     clients = [threading.Thread(target=rollouts, args=(i,)) for i in range(CLIENTS)]

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from rollout_sidecar.client.protocol import AdapterSpec, WeightStatus
-from rollout_sidecar.client.protocol.adapter_api import LORA_A
+from rollout_sidecar.protocol.schema import AdapterSpec, WeightStatus
+from rollout_sidecar.protocol.schema.adapter_api import LORA_A
 from rollout_sidecar.trainer.adapter.lora_adapter import LoraAdapter
 from rollout_sidecar.trainer.errors import WeightPushError
 from rollout_sidecar.trainer.gather.full_tensors import param_plan

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Iterator
 
 from torch import nn
 
-from rollout_sidecar.client.protocol import AdapterSpec
-from rollout_sidecar.client.protocol.adapter_api import LORA_A, LORA_B
+from rollout_sidecar.protocol.schema import AdapterSpec
+from rollout_sidecar.protocol.schema.adapter_api import LORA_A, LORA_B
 from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
 from rollout_sidecar.trainer.gather.full_tensors import ParamInfo
 from rollout_sidecar.trainer.gather.peft_merge import Gathered, PeftMerge, PeftMergeError

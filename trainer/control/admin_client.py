@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from typing import Any
 
 import httpx
 
-from rollout_sidecar.client.protocol import (
+from rollout_sidecar.protocol.calls.failures import NEVER_SENT  # the request never reached it
+from rollout_sidecar.protocol.schema import (
     BeginResponse,
     CommitResponse,
     ConnectResponse,
@@ -28,8 +28,7 @@ from rollout_sidecar.client.protocol import (
     WeightIndex,
     WeightStatus,
 )
-from rollout_sidecar.client.protocol.endpoints import auth_headers
-from rollout_sidecar.client.request_plans import NEVER_SENT  # the request never reached it
+from rollout_sidecar.protocol.schema.endpoints import auth_headers
 from rollout_sidecar.trainer.control.deadlines import Deadlines, Stalled, watched
 from rollout_sidecar.trainer.errors import ReplicaError
 
@@ -111,12 +110,6 @@ class WeightAdminClient:
         return ProbeResult.model_validate(self._call(
             "POST", "/weights/probe", "probe", budget_s, content=req.model_dump_json(),
             headers={"Content-Type": "application/json"}))
-
-    def verify(self, req: ProbeRequest) -> ProbeResult:
-        """Deprecated name of `probe` (kept for one minor version)."""
-        warnings.warn("WeightAdminClient.verify() is deprecated, use probe()",
-                      DeprecationWarning, stacklevel=2)
-        return self.probe(req)
 
     def connect(self, connection_id: str, backend: str, timeout_s: float,
                 takeover: bool = False, lease_wait_s: float = 60.0, *,

@@ -32,7 +32,7 @@ from typing import TypeVar
 
 import httpx
 
-from rollout_sidecar.client.stall_watch import Silent, run_watched
+from rollout_sidecar.protocol.calls.stall_watch import Silent, run_watched
 
 T = TypeVar("T")
 
@@ -80,7 +80,7 @@ class Stalled(Exception):
 def watched(call: Callable[[], T], alive: Callable[[], None], deadlines: Deadlines) -> T:
     """`call()`, asking `alive()` (which raises for a replica that does not
     answer) every `heartbeat_s` it runs; a dead liveness check raises
-    `Stalled` (see client/stall_watch.py)."""
+    `Stalled` (see protocol/calls/stall_watch.py)."""
     try:
         return run_watched(call, alive, deadlines.heartbeat_s)
     except Silent as e:

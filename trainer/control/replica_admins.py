@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from rollout_sidecar.client.protocol.endpoints import expand_urls
+from rollout_sidecar.protocol.schema.endpoints import expand_urls
 from rollout_sidecar.trainer.control.admin_client import WeightAdminClient
 from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.errors import ReplicaError, WeightPushError

@@ -16,8 +16,8 @@ import logging
 
 import torch
 
-from rollout_sidecar.client.protocol import WeightIndex, WeightStatus
-from rollout_sidecar.client.protocol.wire_format import torch_dtype
+from rollout_sidecar.protocol.data_plane.wire_format import torch_dtype
+from rollout_sidecar.protocol.schema import WeightIndex, WeightStatus
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import ServerRestartedError, WeightPushError
 

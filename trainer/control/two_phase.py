@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rollout_sidecar.client.protocol import CommitPolicy, CommitResponse, PrepareResponse
+from rollout_sidecar.protocol.schema import CommitPolicy, CommitResponse, PrepareResponse
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins, failures
 from rollout_sidecar.trainer.errors import PartialCommitError, ReplicaError, WeightPushError
 from rollout_sidecar.trainer.push_result import ReplicaOutcome, describe

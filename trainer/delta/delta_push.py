@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rollout_sidecar.client.protocol import AdapterSpec, BucketManifest, WeightStatus
-from rollout_sidecar.client.protocol.wire_format import torch_dtype
+from rollout_sidecar.protocol.data_plane.wire_format import torch_dtype
+from rollout_sidecar.protocol.schema import BucketManifest, WeightStatus
 from rollout_sidecar.trainer.delta.patch_gather import DeltaDiff
 from rollout_sidecar.trainer.delta.patch_plan import (
     TensorPlan,
@@ -37,22 +37,8 @@ from rollout_sidecar.trainer.delta.shard_copy import ShardCopy
 from rollout_sidecar.trainer.delta.shard_pieces import Piece, shard_pieces
 from rollout_sidecar.trainer.gather.full_tensors import ParamInfo, param_plan
 from rollout_sidecar.trainer.pack.buckets import wire_dtype
+from rollout_sidecar.trainer.push_opening import Opening
 from rollout_sidecar.trainer.rank_agreement import any_rank, rank
-
-
-@dataclass
-class Opening:
-    """Rank 0's reading of the servers at a push's start, for every rank."""
-
-    restarted: bool
-    serve_dtype: str
-    wire_dtypes: dict[str, str]  # the served index's dtype per tensor
-    buffers: list[str]  # persistent buffers that travel with the parameters
-    delta_base: int | None  # the base every replica holds, if a delta may go
-    why_dense: str | None  # else why not
-    keep_copy: bool = True  # False: this model never goes as a delta (PEFT, conversions)
-    adapter: AdapterSpec | None = None  # a LoRA adapter push (trainer/adapter/)
-    adapter_reason: str | None = None  # why a PEFT model goes merged
 
 
 def replicas_base(statuses: list[WeightStatus], urls: list[str], copy_version: int | None

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from rollout_sidecar.client.protocol import BucketManifest
-from rollout_sidecar.client.protocol.delta_codec import Patch, PatchForm, from_positions
-from rollout_sidecar.trainer.collectives import device, settled
+from rollout_sidecar.protocol.data_plane.delta_codec import Patch, PatchForm, from_positions
+from rollout_sidecar.protocol.schema import BucketManifest
+from rollout_sidecar.trainer.collectives import device, gather_bytes, settled
 from rollout_sidecar.trainer.delta.patch_plan import TensorPlan
 from rollout_sidecar.trainer.delta.shard_copy import LocalChange, ShardCopy
 from rollout_sidecar.trainer.delta.shard_pieces import Piece
@@ -100,19 +100,7 @@ class DeltaDiff:
         """Every rank's payload, on rank 0 (others get [])."""
         if not _distributed():
             return [payload]
-        dev, world = _comm_device(), dist.get_world_size()
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
-        sizes = [torch.empty_like(size) for _ in range(world)]
-        settled(lambda: dist.all_gather(sizes, size, async_op=True), [*sizes, size])
-        n = [int(s) for s in sizes]
-        padded = torch.zeros(max(n), dtype=torch.uint8, device=dev)
-        padded[: payload.numel()].copy_(payload)
-        if dist.get_rank() != 0:
-            settled(lambda: dist.gather(padded, None, dst=0, async_op=True), [padded])
-            return []
-        bufs = [torch.empty(max(n), dtype=torch.uint8, device=dev) for _ in range(world)]
-        settled(lambda: dist.gather(padded, bufs, dst=0, async_op=True), [padded, *bufs])
-        return [b[:k].cpu() for b, k in zip(bufs, n, strict=True)]
+        return gather_bytes(payload, dst=0)
 
     def patches(self, buckets: list[BucketManifest], plans: list[TensorPlan]
                 ) -> Iterator[tuple[str, Patch | Exception]]:

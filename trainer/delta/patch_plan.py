@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_sidecar.client.protocol import BucketManifest, TensorSlot
-from rollout_sidecar.client.protocol.delta_codec import PatchForm
-from rollout_sidecar.client.protocol.weights_api import PatchInfo, patch_nbytes
-from rollout_sidecar.client.protocol.wire_format import dtype_name
+from rollout_sidecar.protocol.data_plane.delta_codec import PatchForm
+from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
+from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
+from rollout_sidecar.protocol.schema.weights_api import PatchInfo, patch_nbytes
 from rollout_sidecar.trainer.pack.buckets import ALIGN
 
 GAP_LIMIT = 1 << 16

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_sidecar.client.protocol.delta_codec import bits
+from rollout_sidecar.protocol.data_plane.delta_codec import bits
 from rollout_sidecar.trainer.delta.shard_pieces import Piece
 
 # Elements per step of a host diff (3 MiB of scratch in bf16); 256K-4M

@@ -80,7 +80,7 @@ class GenerationRecord:
 
     step: int
     min_weight_version: int  # what every request of the call required
-    weight_versions: list[int] = field(default_factory=list)  # one per completion
+    completion_versions: list[int] = field(default_factory=list)  # one per completion
 
 
 def sidecar_rollout_func(url: str | Sequence[str] | None = None, *,

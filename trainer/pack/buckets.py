@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from rollout_sidecar.client.protocol import BucketManifest, TensorSlot
-from rollout_sidecar.client.protocol.wire_format import dtype_name
+from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
+from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
 from rollout_sidecar.trainer.gather.full_tensors import ParamInfo
 
 ALIGN = 64  # bytes; keeps every tensor view aligned for any dtype

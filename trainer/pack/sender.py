@@ -22,9 +22,9 @@ from collections.abc import Iterator
 
 import torch
 
-from rollout_sidecar.client.protocol import BucketManifest, TensorSlot
-from rollout_sidecar.client.protocol.delta_codec import Patch, write
-from rollout_sidecar.client.protocol.wire_format import crc32, slot_bytes, torch_dtype
+from rollout_sidecar.protocol.data_plane.delta_codec import Patch, write
+from rollout_sidecar.protocol.data_plane.wire_format import crc32, slot_bytes, torch_dtype
+from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
 from rollout_sidecar.trainer.errors import Error  # (kind, message): see errors.py
 from rollout_sidecar.trainer.gather.row_blocks import FlatCursor, RowBlocks
 from rollout_sidecar.trainer.pack.finite import all_finite

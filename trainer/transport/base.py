@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rollout_sidecar.client.protocol.bucket_mac import PushMacs
+from rollout_sidecar.protocol.data_plane.bucket_mac import PushMacs
 
 
 class Pending(Protocol):
@@ -26,7 +26,7 @@ class Transport(Protocol):
     # on the wire.
     checksum_in_request: bool
     connection_id: str | None  # the data-plane group the replicas hold, if any
-    # This push's keyed bucket tags (client/protocol/bucket_mac.py), set by
+    # This push's keyed bucket tags (protocol/data_plane/bucket_mac.py), set by
     # `start_push` when the connection authenticates buckets; else None.
     bucket_macs: PushMacs | None
 

@@ -4,7 +4,7 @@ One group of its own: trainer rank 0 (the sender) plus every worker of every
 replica, rendezvoused through the first replica's TCPStore, so it never
 touches the trainer's FSDP process group. Each bucket leaves rank 0 once,
 however many replicas listen: NCCL broadcasts it, gloo relays it down a chain
-of the receivers (client/protocol/bucket_group.py). Sends are asynchronous;
+of the receivers (protocol/data_plane/bucket_group.py). Sends are asynchronous;
 the pusher waits on a bucket's send only before reusing its buffer. The group's
 per-operation timeout is the stall bound (control/deadlines.py): a piece that
 does not move for that long fails the transfer on every rank, server and
@@ -16,7 +16,7 @@ It then ends this side for good, before interpreter exit: the group is
 destroyed in the calling thread (gloo's worker threads joined once their
 queued sends are done), and a join abandoned after a failed connect is waited
 for, since a thread still inside torch when finalization begins aborts the
-process (client/protocol/bucket_group.py, `close_group`).
+process (protocol/data_plane/bucket_group.py, `close_group`).
 """
 
 from __future__ import annotations
@@ -31,17 +31,18 @@ from urllib.parse import urlparse
 
 import torch
 
-from rollout_sidecar.client.protocol.bucket_group import (
+from rollout_sidecar.protocol.data_plane.bucket_group import (
     SENDER_RANK,
     broadcast_group,
     send_bucket,
 )
-from rollout_sidecar.client.protocol.bucket_mac import PushMacs, new_secret
-from rollout_sidecar.client.protocol.signed_store import (
+from rollout_sidecar.protocol.data_plane.bucket_mac import PushMacs, new_secret
+from rollout_sidecar.protocol.data_plane.signed_store import (
     TAMPERED,
     abort_connection,
     delete_connection_keys,
 )
+from rollout_sidecar.protocol.data_plane.transports import transport
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
 from rollout_sidecar.trainer.transport.registry import sender
@@ -83,8 +84,7 @@ class DistributedTransport:
         self.trainer_id = uuid.uuid4().hex[:12]
         if fanout not in ("auto", "broadcast", "chain"):
             raise ValueError(f"fanout must be auto, broadcast or chain, not {fanout!r}")
-        if fanout == "chain" and backend != "gloo":
-            raise ValueError("fanout chain is for gloo (NCCL's broadcast is a pipelined ring)")
+        transport(backend).check_fanout(fanout)
         self.fanout_setting = fanout
         self.fanout = "broadcast"  # this connection's; decided at connect
         self.group: Any = None
@@ -103,7 +103,7 @@ class DistributedTransport:
 
     @property
     def buffer_device(self) -> torch.device:
-        if self.backend == "nccl":
+        if transport(self.backend).on_device:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -145,7 +145,7 @@ class DistributedTransport:
         # one receiver rank 0 would send each bucket once per tree level, so
         # relay it down a chain (bench/push_replicas.py measures both).
         self.fanout = self.fanout_setting if self.fanout_setting != "auto" else (
-            "chain" if self.backend == "gloo" and world > 2 else "broadcast")
+            transport(self.backend).fanout(world))
         # The first replica hosts the rendezvous; the others meet there.
         store_host = self.data_plane_host or urlparse(self.replicas.urls[0]).hostname \
             or "127.0.0.1"

@@ -1,6 +1,6 @@
 """Senders by transport name: the one place the trainer tells transports
 apart. The server's counterpart is server/weights/receivers.py; the names are
-the wire's `Transport` (client/protocol/weights_api.py).
+the wire's `Transport` (protocol/schema/weights_api.py).
 
 Adding a transport is one name there, one sender class here (the `Transport`
 protocol of base.py, registered with `@sender(name)` and built from the

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.client.protocol.adapter_api import lora_module
+from rollout_sidecar.protocol.schema.adapter_api import lora_module
 from rollout_sidecar.server.weights.worker.fault_injection import lora_scaling_fault
 from rollout_sidecar.server.weights.worker.reload import LoadRefused
 

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.client.protocol.bucket_group import receive_bucket
-from rollout_sidecar.client.protocol.bucket_mac import BucketMac
-from rollout_sidecar.client.protocol.wire_format import crc32
+from rollout_sidecar.protocol.data_plane.bucket_group import receive_bucket
+from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac
+from rollout_sidecar.protocol.data_plane.transports import transport
+from rollout_sidecar.protocol.data_plane.wire_format import crc32
 from rollout_sidecar.server.weights.worker.staging import StagedBucket
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class Receive(threading.Thread):
 
 def use_device(device: torch.device, backend: str) -> None:
     """Make `device` this thread's current CUDA device (module docstring)."""
-    if backend == "nccl" and device.type == "cuda":
+    if transport(backend).on_device and device.type == "cuda":
         torch.cuda.set_device(device)
 
 
@@ -56,7 +57,7 @@ def receive_broadcast(group: Any, buckets: list[StagedBucket], backend: str,
     use_device(device, backend)
     pending = None
     bounce = host_copy = None
-    if buckets and backend == "nccl":
+    if buckets and transport(backend).on_device:
         size = max(b.nbytes for b in buckets)
         if buckets[0].buffer.is_cpu:  # host staging: through the device
             bounce = torch.empty(size, dtype=torch.uint8, device=device)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_sidecar.client.protocol import TensorSlot
-from rollout_sidecar.client.protocol.delta_codec import Patch, PatchForm, apply, positions, read
-from rollout_sidecar.client.protocol.wire_format import slot_bytes, torch_dtype
+from rollout_sidecar.protocol.data_plane.delta_codec import Patch, PatchForm, apply, positions, read
+from rollout_sidecar.protocol.data_plane.wire_format import slot_bytes, torch_dtype
+from rollout_sidecar.protocol.schema import TensorSlot
 from rollout_sidecar.server.weights.worker.staging import Staging
 
 

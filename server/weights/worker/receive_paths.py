@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from rollout_sidecar.protocol.data_plane.transports import transport
 from rollout_sidecar.server.weights.worker.bucket_receive import (
     Receive,
     receive_broadcast,
     receive_chain,
 )
-from rollout_sidecar.server.weights.worker.connection import Connection
+from rollout_sidecar.server.weights.worker.group_membership import GroupMembership
 from rollout_sidecar.server.weights.worker.staging import StagedBucket
 
 HOST = torch.device("cpu")
@@ -33,7 +34,7 @@ HOST = torch.device("cpu")
 class GroupReceive:
     """Buckets over the trainer's group, which this worker joined at connect."""
 
-    def __init__(self, connection: Connection, device: torch.device) -> None:
+    def __init__(self, connection: GroupMembership, device: torch.device) -> None:
         if connection.group is None:
             raise RuntimeError("data plane not connected; call /weights/connect first")
         self.connection = connection
@@ -46,7 +47,7 @@ class GroupReceive:
         pinned host memory. `small` pushes (a delta's or an adapter's
         patches) are applied on the host."""
         c = self.connection
-        if c.backend == "nccl" and c.info.staging == "device" and not small:
+        if transport(c.backend).on_device and c.info.staging == "device" and not small:
             return self.device
         return HOST
 

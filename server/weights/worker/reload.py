@@ -43,16 +43,13 @@ import torch
 log = logging.getLogger(__name__)
 
 
-# In the message of every refusal that left the model untouched. Exceptions
-# cross vLLM's RPC boundary as text, so the API process reads this marker.
-UNTOUCHED = "[model untouched]"
-
-
 class LoadRefused(RuntimeError):
-    """The load was refused before any live tensor changed."""
+    """The load was refused before any live tensor changed. vLLM's
+    `update_weights` re-raises it as it is in the worker, where
+    worker_calls.py turns it into the reply's typed `untouched` field."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(f"{UNTOUCHED} {reason}")
+        super().__init__(f"[model untouched] {reason}")
 
 
 @dataclass

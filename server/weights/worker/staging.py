@@ -38,9 +38,14 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.client.protocol import BucketManifest, TensorSlot
-from rollout_sidecar.client.protocol.bucket_mac import BucketMac, same_tag
-from rollout_sidecar.client.protocol.wire_format import crc32, slot_bytes, slot_tensor, torch_dtype
+from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac, same_tag
+from rollout_sidecar.protocol.data_plane.wire_format import (
+    crc32,
+    slot_bytes,
+    slot_tensor,
+    torch_dtype,
+)
+from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
 from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
 
 _UNMAPPED = torch.empty(0, dtype=torch.uint8)  # a follower's bucket between loads

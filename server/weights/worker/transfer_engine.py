@@ -35,19 +35,19 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout_sidecar.client.protocol import BucketManifest
+from rollout_sidecar.protocol.schema import BucketManifest
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.worker.adapter_loading import (
     split_adapter,
     stage_adapter,
 )
 from rollout_sidecar.server.weights.worker.bucket_receive import Receive
-from rollout_sidecar.server.weights.worker.connection import Connection, StagedInitInfo
 from rollout_sidecar.server.weights.worker.fault_injection import (
     apply_test_faults,
     corrupt_arrived,
     crash_after_load,
 )
+from rollout_sidecar.server.weights.worker.group_membership import GroupMembership, StagedInitInfo
 from rollout_sidecar.server.weights.worker.host_share import StagingRole, host_view
 from rollout_sidecar.server.weights.worker.patching import ResidentCopy, apply_patches
 from rollout_sidecar.server.weights.worker.receive_paths import GroupReceive, HttpStage
@@ -89,7 +89,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.role = StagingRole.alone(self._worker_rank())
         self.resident = ResidentCopy()
         self._push: StagedUpdateInfo | None = None  # the push's RECEIVE/ALLOCATE
-        self.connection = Connection()
+        self.connection = GroupMembership()
         self._receiver: Receive | None = None  # this push's, once it receives
         self._patched = False  # a delta's patches are in the staged copy (PATCH)
         self._checked = False

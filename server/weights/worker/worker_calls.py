@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
-from rollout_sidecar.server.weights.worker.reload import UNTOUCHED
+from rollout_sidecar.server.weights.worker.reload import LoadRefused
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def run_call(worker: Any, op: str, payload: dict) -> dict:
     except Exception as e:
         log.warning("rank %d: %s failed: %s", rank, op, e)
         return {"rank": rank, "ok": False, "error": str(e) or type(e).__name__,
-                "untouched": UNTOUCHED in str(e)}
+                "untouched": isinstance(e, LoadRefused)}
 
 
 def _session_open(worker: Any) -> bool:

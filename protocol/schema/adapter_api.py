@@ -19,7 +19,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-from rollout_sidecar.client.protocol.fields import Int, StrictModel, not_null
+from rollout_sidecar.protocol.schema.fields import Int, StrictModel, not_null
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 Scaling = Annotated[float, Field(gt=0, allow_inf_nan=False)]

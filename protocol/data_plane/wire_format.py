@@ -12,7 +12,7 @@ import zlib
 
 import torch
 
-from rollout_sidecar.client.protocol.weights_api import TensorSlot
+from rollout_sidecar.protocol.schema.weights_api import TensorSlot
 
 
 @functools.cache

@@ -32,21 +32,21 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rollout_sidecar.client.protocol import nccl_group
-from rollout_sidecar.client.protocol.signed_store import (
+from rollout_sidecar.protocol.data_plane import nccl_group
+from rollout_sidecar.protocol.data_plane.signed_store import (
     SignedStore,
     delete_connection_keys,
     group_prefix,
 )
+from rollout_sidecar.protocol.data_plane.transports import Fanout, transport
 
 SENDER_RANK = 0
 CHAIN_CHUNK_BYTES = 16 << 20  # pipelines a 64+ MiB bucket; large enough to send at full speed
-Fanout = Literal["broadcast", "chain"]
 
 
 class DataPlaneGroup:
@@ -98,7 +98,7 @@ def broadcast_group(host: str, port: int, connection_id: str, rank: int, world_s
         store = signed = SignedStore(store, secret, f"{host}:{port}", timeout_s)
     group: DataPlaneGroup | nccl_group.NcclGroup
     try:
-        if backend == "nccl":
+        if transport(backend).on_device:  # NCCL, on a communicator of our own
             if device is None or device.type != "cuda":
                 device = torch.device("cuda", torch.cuda.current_device())
             group = nccl_group.form(store, rank, world_size, device, timeout_s,

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 import httpx
 
-from rollout_sidecar.client.liveness import ReplicaLiveness, Waiter, refused
+from rollout_sidecar.protocol.calls.liveness import ReplicaLiveness, Waiter, refused
 
 T = TypeVar("T")
 

@@ -1,19 +1,11 @@
-"""The protocol every side speaks: the neutral layer that the trainer, the
-server and the client import, and that imports none of them.
+"""The wire types (pydantic only: no torch, no httpx), re-exported here:
+`generate_api` (the generation API), `weights_api` (the push control plane),
+`adapter_api` (LoRA adapters), `fields` (shared field types), `endpoints`
+(every route's path and method)."""
 
-- `generate_api`, `weights_api`, `adapter_api` (pydantic only, re-exported
-  here): every JSON type of the generation API and of the push control plane.
-- `wire_format` (torch): dtype names, CRC-32 and slot views of the bucket
-  bytes. `bucket_group` (torch.distributed): the data plane's process group,
-  and how one bucket is sent and received; `signed_store` (torch.distributed):
-  its signed rendezvous. `bucket_mac` (torch): each bucket's keyed tag.
-  `delta_codec` (torch): a tensor's sparse patches. Import those five by name;
-  this package and the client never import torch.
-"""
-
-from rollout_sidecar.client.protocol.adapter_api import AdapterSpec, LoraStatus
-from rollout_sidecar.client.protocol.fields import CommitPolicy, FinishReason
-from rollout_sidecar.client.protocol.generate_api import (
+from rollout_sidecar.protocol.schema.adapter_api import AdapterSpec, LoraStatus
+from rollout_sidecar.protocol.schema.fields import CommitPolicy, FinishReason
+from rollout_sidecar.protocol.schema.generate_api import (
     ErrorItem,
     ErrorResponse,
     GenerateRequest,
@@ -26,7 +18,7 @@ from rollout_sidecar.client.protocol.generate_api import (
     Usage,
     VersionSpan,
 )
-from rollout_sidecar.client.protocol.weights_api import (
+from rollout_sidecar.protocol.schema.weights_api import (
     AbortRequest,
     BeginRequest,
     BeginResponse,

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
 
-from rollout_sidecar.client.protocol.bucket_group import broadcast_group, close_group
-from rollout_sidecar.client.protocol.bucket_mac import parse_secret
+from rollout_sidecar.protocol.data_plane.bucket_group import broadcast_group, close_group
+from rollout_sidecar.protocol.data_plane.bucket_mac import parse_secret
 from rollout_sidecar.server.weights.worker.bucket_receive import use_device
 
 
@@ -33,7 +33,7 @@ class StagedInitInfo(WeightTransferInitInfo):
     world_size: int = 2
     rank_offset: int = 1
     staging: str = "auto"  # NCCL only: "device" stages in GPU memory, else pinned host
-    fanout: str = "broadcast"  # or "chain" (gloo): see client/protocol/bucket_group.py
+    fanout: str = "broadcast"  # or "chain" (gloo): see protocol/data_plane/bucket_group.py
     # The connection's data-plane key, hex (bucket_mac.py): out of every repr,
     # so no log of this dataclass shows it. None: an older trainer, CRC only.
     secret: str | None = field(default=None, repr=False)
@@ -72,7 +72,7 @@ class Joiner(threading.Thread):
 
 
 
-class Connection:
+class GroupMembership:
     """The group this worker joined (or is joining), or the leader it follows."""
 
     def __init__(self) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rollout_sidecar.client.protocol.bucket_mac import store_hasher
+from rollout_sidecar.protocol.data_plane.bucket_mac import store_hasher
 
 TAMPERED = "data-plane rendezvous tampered with"
 ABORT_KEY = "abort"  # under the connection's prefix, signed like the rest

@@ -23,7 +23,8 @@ import time
 import uuid
 from typing import Any
 
-from rollout_sidecar.client.protocol import GenerateRequest, SamplingConfig
+from rollout_sidecar.protocol.schema import GenerateRequest, SamplingConfig
+from rollout_sidecar.server.engine.engine_api import Engine
 from rollout_sidecar.server.generate import request_checks
 
 log = logging.getLogger(__name__)
@@ -63,11 +64,9 @@ async def _run(llm: Any, req: GenerateRequest) -> None:
     await asyncio.gather(*[one(i, ids) for i, ids in enumerate(req.prompt_token_ids or [])])
 
 
-async def warm_up(engine: Any) -> dict[str, float]:
-    """Run each warm-up request once, in turn; returns seconds per request
-    (empty if the engine has no vLLM engine, as in unit tests' fakes)."""
-    if getattr(engine, "llm", None) is None or engine.info is None:
-        return {}
+async def warm_up(engine: Engine) -> dict[str, float]:
+    """Run each warm-up request once, in turn; returns seconds per request."""
+    assert engine.info is not None, "warm up a started engine"
     timings: dict[str, float] = {}
     try:
         for name, req in warmup_requests(engine.info.vocab_size,

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout_sidecar.client.protocol.fields import (
+from rollout_sidecar.protocol.schema.fields import (
     Bool,
     CommitPolicy,
     FinishReason,
@@ -188,12 +188,6 @@ class GenerateResponse(ReplyModel):
     versions_used: list[int] = Field(
         default_factory=list, description="Every version that produced a token of this "
         "response, ascending; more than one only with commit policy 'keep'.")
-    weight_versions: list[int] = Field(
-        description="Deprecated (removed in 0.3): versions_used under its old name. Each "
-        "sample's weight_versions now holds its per-token spans, as vLLM and SGLang name "
-        "them, so a loop written against either reads ours unchanged.",
-        json_schema_extra={"deprecated": True},
-    )
     weight_suspect: bool = Field(
         False, description="True if the trainer's post-push probe found one of "
         "versions_used serving logprobs beyond tolerance from its own forward pass "
@@ -213,14 +207,6 @@ class GenerateResponse(ReplyModel):
         default_factory=list, description="Set by the client: each earlier try that did not "
         "answer, in order, as 'url: what happened'. Empty when the first try answered; "
         "nothing a retried try generated is in this response.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _versions_used_from_old_name(cls, data: Any) -> Any:
-        # A server older than versions_used sends only the old name.
-        if isinstance(data, dict) and "versions_used" not in data and "weight_versions" in data:
-            data = {**data, "versions_used": data["weight_versions"]}
-        return data
 
 
 # ------------------------------------------------------------------ status

@@ -17,8 +17,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from rollout_sidecar.client.protocol.adapter_api import AdapterSpec, LoraStatus
-from rollout_sidecar.client.protocol.fields import (
+from rollout_sidecar.protocol.schema.adapter_api import AdapterSpec, LoraStatus
+from rollout_sidecar.protocol.schema.fields import (
     Bool,
     CommitPolicy,
     Float,
@@ -48,7 +48,7 @@ POSITION_ALIGN = 8  # a patch's values start at a multiple of this, after its po
 def patch_nbytes(form: str, numel: int, changed: int, itemsize: int) -> int:
     """Bytes of one patch slot: its positions (int32 indices, uint16 gaps or
     a bitmap; none when dense), padded to POSITION_ALIGN, then the changed
-    values (client/protocol/delta_codec.py reads and writes them)."""
+    values (protocol/data_plane/delta_codec.py reads and writes them)."""
     positions = {"dense": 0, "index": 4 * changed, "gaps": 2 * changed,
                  "bitmap": (numel + 7) // 8}[form]
     return -(-positions // POSITION_ALIGN) * POSITION_ALIGN + changed * itemsize
@@ -100,7 +100,7 @@ class TensorSlot(StrictModel):
     def tensor_nbytes(self) -> int:
         """Bytes of the whole tensor in its wire dtype."""
         # torch only here: the trainer and the server call it, never the client.
-        from rollout_sidecar.client.protocol.wire_format import itemsize
+        from rollout_sidecar.protocol.data_plane.wire_format import itemsize
 
         return self.numel * itemsize(self.dtype)
 
@@ -109,7 +109,7 @@ class TensorSlot(StrictModel):
         """Bytes this entry occupies in its bucket: the chunk, the patch, or
         the whole tensor."""
         if self.patch is not None:
-            from rollout_sidecar.client.protocol.wire_format import itemsize
+            from rollout_sidecar.protocol.data_plane.wire_format import itemsize
 
             return patch_nbytes(self.patch.form, self.numel, self.patch.changed,
                                 itemsize(self.dtype))

@@ -1,7 +1,7 @@
 """Lossless sparse patches of one tensor: what changed since a base, bit for bit.
 
 The trainer encodes, a server worker decodes into its staged copy, so this
-lives in the neutral protocol layer (torch only, no HTTP). Values are compared
+lives in the shared protocol layer (torch only, no HTTP). Values are compared
 as bit patterns (an integer view of the same width), never as floats: -0.0
 against 0.0 is a change, and a NaN that stays the same NaN is not.
 

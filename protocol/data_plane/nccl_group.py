@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.client.protocol.nccl_library import (
+from rollout_sidecar.protocol.data_plane.nccl_library import (
     IN_PROGRESS,
     SUCCESS,
     NcclError,

@@ -1,0 +1,63 @@
+"""Every transport, by what the push path asks of it: the one place its name
+means anything. Both sides look a transport up here and ask it (does it join
+the trainer's group, can it relay a bucket, where do buckets land), never
+compare its name; each side then registers its own half under the same name:
+the trainer's sender (trainer/transport/registry.py) and the server's receive
+(server/weights/receivers.py). The wire names are `Transport`
+(protocol/schema/weights_api.py).
+
+Adding a transport is a row here, its name on the wire, a sender class in
+the trainer and a `Receiver` on the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Fanout = Literal["broadcast", "chain"]
+
+
+@dataclass(frozen=True)
+class TransportKind:
+    name: str
+    # The bytes come over the trainer's data-plane group (bucket_group.py), a
+    # torch.distributed backend of this name; otherwise as HTTP bodies.
+    joins_group: bool
+    # A bucket can be relayed rank to rank in pieces (`fanout="chain"`): gloo
+    # sends whole buffers down a binomial tree otherwise; NCCL's broadcast is
+    # already a pipelined ring.
+    chains: bool = False
+    # Buckets travel in GPU memory (NCCL): a receiving worker sets its CUDA
+    # device first, and a host-staged copy goes through a device bounce buffer.
+    on_device: bool = False
+
+    @property
+    def needs_gpu(self) -> bool:
+        return self.on_device
+
+    def fanout(self, world_size: int) -> Fanout:
+        """The default fan-out of a group of `world_size` ranks: a chain where
+        one can relay and more than one rank receives."""
+        return "chain" if self.chains and world_size > 2 else "broadcast"
+
+    def check_fanout(self, fanout: str) -> None:
+        if fanout == "chain" and not self.chains:
+            raise ValueError(f"fanout chain relays host memory, which {self.name} does not "
+                             "(NCCL's broadcast is already a pipelined ring): gloo only")
+
+
+TRANSPORTS = {t.name: t for t in (
+    TransportKind("gloo", joins_group=True, chains=True),  # host memory, everywhere
+    TransportKind("nccl", joins_group=True, on_device=True),  # GPU to GPU
+    TransportKind("http", joins_group=False),  # only the HTTP port open between the two
+)}
+
+
+def transport(name: str) -> TransportKind:
+    """The transport of this name; a ValueError names the known ones."""
+    try:
+        return TRANSPORTS[name]
+    except KeyError:
+        raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, not {name!r}"
+                         ) from None
