@@ -158,8 +158,7 @@ class GenerationClient(_Replicated):
     `dns+http://name:port` for every address of a name (a Kubernetes headless
     Service; looked up again every `refresh_s` and when every replica is
     down). Defaults to $ROLLOUT_SIDECAR_URL; `api_token` to
-    $ROLLOUT_SIDECAR_API_TOKEN (`base_url` and `token`: their old names, until
-    0.3). `transport` replaces httpx's, for every replica.
+    $ROLLOUT_SIDECAR_API_TOKEN. `transport` replaces httpx's, for every replica.
 
     `liveness`: while a request has waited a second on a replica, one thread
     per replica for the whole process (shared by every client over the same

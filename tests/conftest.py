@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,7 @@ class Server:
     port: int = 0
     dp_port: int = 0
     tmp: Path | None = None  # its folder
-    fault_file: Path | None = None  # ROLLOUT_SIDECAR_TEST_FAULT_FILE, if it has one
+    failpoints: Path | None = None  # ROLLOUT_SIDECAR_FAILPOINTS, if it has one
 
     def client(self, **kw):
         from rollout_sidecar.client import GenerationClient
@@ -48,8 +49,8 @@ def as_server(s: ServerProcess, tmp: Path) -> Server:
         model_path = Path(s.info()["model"])
     return Server(s.url, s.api_token, s.admin_token, model_path, s.proc, s.log, s.port,
                   s.data_plane_port, tmp=tmp,
-                  fault_file=(Path(s.env["ROLLOUT_SIDECAR_TEST_FAULT_FILE"])
-                              if s.env.get("ROLLOUT_SIDECAR_TEST_FAULT_FILE") else None))
+                  failpoints=(Path(s.env["ROLLOUT_SIDECAR_FAILPOINTS"])
+                              if s.env.get("ROLLOUT_SIDECAR_FAILPOINTS") else None))
 
 
 def start_server(tmp: Path, name: str, extra_env: dict | None = None,
@@ -82,6 +83,18 @@ def run_torchrun(worker: Path, args: list[str], srv: Server, nproc: int = 2) -> 
 
 def stop_server(server: Server) -> None:
     stop_process(server.proc)
+
+
+def server_fixture(spec: ServerSpec, scope: str = "module") -> Any:
+    """A fixture that takes `spec`'s server from the plan for its `scope`
+    and stops it after: `srv = server_fixture(SPEC)` in a test module."""
+    @pytest.fixture(scope=scope)
+    @serves(spec)
+    def fixture(server_plan):
+        s = server_plan.take(spec)
+        yield s
+        stop_server(s)
+    return fixture
 
 
 # The servers fixtures take (`@serves`), launched ahead of their tests
@@ -131,12 +144,7 @@ def server_plan(tmp_path_factory):
     PLAN.close()
 
 
-@pytest.fixture(scope="session")
-@serves(DEFAULT)
-def server(server_plan):
-    s = server_plan.take(DEFAULT)
-    yield s
-    stop_server(s)
+server = server_fixture(DEFAULT, scope="session")
 
 
 FP32 = ServerSpec("fp32", dtype="float32")

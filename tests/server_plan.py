@@ -77,7 +77,7 @@ class ServerSpec:
     max_model_len: int | None = 512
     model: str | None = None  # a hub id or a path; None: the embedded default
     family: str | None = None  # a tests/fidelity/zoo family, written before the start
-    fault_file: bool = False  # ROLLOUT_SIDECAR_TEST_FAULT_FILE, empty (no fault) at start
+    failpoints: bool = False  # ROLLOUT_SIDECAR_FAILPOINTS, empty (no fault) at start
     shm_size: str | None = None  # a /dev/shm of its own, this size (launch_server; root)
     # Writes what the server needs into its folder before the start (a hub
     # cache); returns environment for it.
@@ -235,10 +235,10 @@ class ServerPlan:
         folder.mkdir(parents=True, exist_ok=True)
         env = {"ROLLOUT_SIDECAR_CACHE_DIR": str(cache_dir(folder)), **TEST_ENV,
                **dict(spec.env)}
-        if spec.fault_file:
+        if spec.failpoints:
             fault = folder / "fault"
             fault.write_text("")
-            env["ROLLOUT_SIDECAR_TEST_FAULT_FILE"] = str(fault)
+            env["ROLLOUT_SIDECAR_FAILPOINTS"] = str(fault)
         if spec.prepare is not None:
             env.update(spec.prepare(folder))
         model: str | Path | None = spec.model

@@ -19,6 +19,7 @@ from rollout_sidecar.protocol.schema import BucketManifest
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.data_plane import merge_states
 from rollout_sidecar.server.weights.ops import SideOp, WorkerCallFailed, WorkerOp
+from rollout_sidecar.server.weights.worker_requests import Check, WorkerRequest
 from tests import processes
 from tests.conftest import REPO
 
@@ -82,8 +83,9 @@ class _FakeLLM:
 def test_every_rank_is_read_and_any_failure_raises():
     llm = _FakeLLM([_reply(0), _reply(1, False, error="boom")])
     with pytest.raises(WorkerCallFailed, match="worker rank 1: boom"):
-        asyncio.run(ops.send(llm, WorkerOp.CHECK, checksums=[1]))
-    assert llm.calls == [(ops.WORKER_METHOD, ("check", {"checksums": [1]}))]
+        asyncio.run(ops.send(llm, Check(checksums=[1], timeout_s=5.0)))
+    assert llm.calls == [(ops.WORKER_METHOD, ("check", {"checksums": [1], "timeout_s": 5.0,
+                                                         "macs": None, "version": None}))]
     assert len(asyncio.run(ops.call(_FakeLLM([_reply(0), _reply(1)]), WorkerOp.FINISH))) == 2
 
 
@@ -124,11 +126,11 @@ class _FakeWorker:
             raise RuntimeError("already active")
         self._weight_update_active = True
 
-    def update_weights(self, info: dict) -> None:
-        if info["op"] == self.fail_on:  # as vLLM: a raise ends the session
+    def update_weights(self, request: WorkerRequest) -> None:
+        if request.op == self.fail_on:  # as vLLM: a raise ends the session
             self._weight_update_active = False
-            raise RuntimeError(f"{info['op']} refused")
-        self.log.append(info["op"])
+            raise RuntimeError(f"{request.op.value} refused")
+        self.log.append(request.op.value)
 
     def finish_weight_update(self) -> None:
         self._weight_update_active = False
@@ -139,9 +141,11 @@ def test_worker_calls_answer_with_values_and_abort_closes_every_session():
     from rollout_sidecar.server.weights.worker.worker_calls import run_call
 
     w0, w1 = _FakeWorker(0), _FakeWorker(1, fail_on="check")
+    opening = {"manifest": [], "version": 1}
     for w in (w0, w1):
-        assert run_call(w, "receive", {})["ok"]
-    r0, r1 = run_call(w0, "check", {}), run_call(w1, "check", {})
+        assert run_call(w, "receive", opening)["ok"]
+    check = {"checksums": [], "timeout_s": 1.0}
+    r0, r1 = run_call(w0, "check", check), run_call(w1, "check", check)
     assert r0 == {"rank": 0, "ok": True} and not r1["ok"] and "check refused" in r1["error"]
     assert w0._weight_update_active and not w1._weight_update_active
     # A load after a failed check is refused on the rank that failed, not raised.
@@ -151,7 +155,10 @@ def test_worker_calls_answer_with_values_and_abort_closes_every_session():
         assert not w._weight_update_active
     # A session left open (a push that never ended here) does not refuse the next.
     w0._weight_update_active = True
-    assert run_call(w0, "receive", {})["ok"] and w0.log[-3:] == ["discard", "finish", "receive"]
+    assert run_call(w0, "receive", opening)["ok"]
+    assert w0.log[-3:] == ["discard", "finish", "receive"]
+    # A request that does not fit its op is refused by name, not raised.
+    assert "check" in run_call(w0, "check", {"checksum": [1]})["error"]
     assert run_call(w0, "state", {})["connection"] == {"state": "none"}
     broken = _FakeWorker(1)
     broken.weight_transfer_engine = None

@@ -1,4 +1,4 @@
-"""One name per transport: what it is (protocol/data_plane/transports.py), one
+"""One name per transport: what it is (protocol/transports.py), one
 sender in the trainer and one receiver in the server
 (trainer/transport/registry.py, server/weights/receivers.py): adding a
 transport to the wire without every part fails here. And no transport name is
@@ -12,10 +12,10 @@ from typing import get_args
 
 import pytest
 
-from rollout_sidecar.protocol.data_plane.transports import TRANSPORTS, transport
 from rollout_sidecar.protocol.schema import Transport
-from rollout_sidecar.server.weights.ops import WorkerOp
+from rollout_sidecar.protocol.transports import TRANSPORTS, transport
 from rollout_sidecar.server.weights.receivers import RECEIVERS, receiver
+from rollout_sidecar.server.weights.worker_requests import Allocate, Receive
 from rollout_sidecar.trainer.push_config import PushConfig
 from rollout_sidecar.trainer.transport.registry import SENDERS, build_sender
 
@@ -37,8 +37,8 @@ def test_the_pusher_builds_its_sender_by_name_with_its_settings():
 def test_the_server_asks_the_receiver_what_a_push_needs():
     assert receiver("gloo").joins_group and receiver("nccl").joins_group
     assert not receiver("http").joins_group
-    assert receiver("http").opens_with is WorkerOp.ALLOCATE
-    assert receiver("gloo").opens_with is WorkerOp.RECEIVE
+    assert receiver("http").opens_with is Allocate
+    assert receiver("gloo").opens_with is Receive
     assert [r.name for r in RECEIVERS.values() if r.needs_gpu] == ["nccl"]
 
 

@@ -14,8 +14,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from rollout_sidecar.protocol.data_plane.transports import transport
 from rollout_sidecar.protocol.schema import CommitPolicy, Transport
+from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.trainer.probe import Forward
 
 Fanout = Literal["auto", "broadcast", "chain"]

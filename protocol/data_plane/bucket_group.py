@@ -43,7 +43,7 @@ from rollout_sidecar.protocol.data_plane.signed_store import (
     delete_connection_keys,
     group_prefix,
 )
-from rollout_sidecar.protocol.data_plane.transports import Fanout, transport
+from rollout_sidecar.protocol.transports import Fanout, transport
 
 SENDER_RANK = 0
 CHAIN_CHUNK_BYTES = 16 << 20  # pipelines a 64+ MiB bucket; large enough to send at full speed

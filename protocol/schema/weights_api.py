@@ -30,8 +30,10 @@ from rollout_sidecar.protocol.schema.fields import (
     StrictModel,
     not_null,
 )
+from rollout_sidecar.protocol.transports import TRANSPORTS
 
-Transport = Literal["gloo", "nccl", "http"]
+# The names of protocol/transports.py's table: a new row is a new wire name.
+Transport = Literal[tuple(TRANSPORTS)]  # type: ignore[valid-type]
 Mac = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # bucket_mac.py's tag
 _HEX_SECRET = re.compile(r"(?:[0-9a-fA-F]{2})+")
 

@@ -38,6 +38,7 @@ from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.ops import SideOp, WorkerCallFailed, WorkerOp
 from rollout_sidecar.server.weights.push_session import Push, PushFailed, PushSession, PushState
+from rollout_sidecar.server.weights.worker_requests import Check, Load, Patch
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +113,10 @@ class CommitPhases:
         try:
             # The receive may still be running: it may take what is left of
             # the push's deadline, and no more.
-            await ops.send(self.llm, WorkerOp.CHECK, checksums=checksums, macs=macs,
-                           version=push.req.version if macs is not None else None,
-                           timeout_s=max(0.0, push.deadline - time.monotonic()))
+            await ops.send(self.llm, Check(
+                checksums=checksums, macs=macs,
+                version=push.req.version if macs is not None else None,
+                timeout_s=max(0.0, push.deadline - time.monotonic())))
         except Exception as e:
             raise PushFailed(f"push rejected, version {self.engine.gate.version} still "
                              f"serving: {e}") from e
@@ -191,19 +193,19 @@ class CommitPhases:
         table = self.engine.adapters
         only = push.req.adapter_only
         held, self.delta_base = self.delta_base, None  # the staged copies change from here on
-        lora: dict = {}
+        load = Load()
         if adapter is not None:  # a fresh LoRA id; the versions requests hold stay loaded
             new = table.new(v)
-            lora = {"lora_id": new.lora_id, "keep_ids": table.keep_ids(new, set(gate.leases))}
+            load = Load(lora_id=new.lora_id, keep_ids=table.keep_ids(new, set(gate.leases)))
         if push.req.delta_base is not None:
             try:  # into the staged copies; the model is untouched either way
-                await ops.send(self.llm, WorkerOp.PATCH)
+                await ops.send(self.llm, Patch())
                 self._laps("patch_s")
             except Exception as e:
                 raise PushFailed(f"push rejected at load, version {gate.version} still "
                                  f"serving: {e}") from e
         try:
-            await ops.send(self.llm, WorkerOp.LOAD, **lora)
+            await ops.send(self.llm, load)
             self._laps("load_s")
         except Exception as e:
             # Every worker refused before changing any parameter: only then may
@@ -225,7 +227,7 @@ class CommitPhases:
             table.published_full(v)
         else:  # an adapter-only load left the staged copy as it was
             self.delta_base = held if only else None
-            table.published_adapter(new, lora["keep_ids"], with_base=not only)
+            table.published_adapter(new, load.keep_ids or [], with_base=not only)
         # Closes vLLM's session on every worker (it resets LoRA state there).
         self.held_staging(await ops.call(self.llm, WorkerOp.FINISH))
         self._laps("finish_s")

@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.protocol.data_plane.transports import transport
 from rollout_sidecar.protocol.schema import (
     ConnectRequest,
     ConnectResponse,
     DisconnectRequest,
     DisconnectResponse,
 )
+from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.weights import ops

@@ -20,7 +20,10 @@ it: connection and receive state, polled while generation goes on.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollout_sidecar.server.weights.worker_requests import WorkerRequest
 
 WORKER_METHOD = "rollout_sidecar_call"
 
@@ -73,6 +76,9 @@ async def call(llm: Any, op: WorkerOp | SideOp, **payload: Any) -> list[dict]:
     return replies
 
 
-async def send(llm: Any, op: WorkerOp, **payload: Any) -> None:
-    """Run a `WorkerOp` on every worker; raise `WorkerCallFailed` if any failed."""
-    await call(llm, op, **payload)
+async def send(llm: Any, request: WorkerRequest) -> None:
+    """Run a worker op's typed request (worker_requests.py) on every worker;
+    raise `WorkerCallFailed` if any failed."""
+    from rollout_sidecar.server.weights.worker_requests import payload
+
+    await call(llm, request.op, **payload(request))

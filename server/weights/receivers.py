@@ -1,4 +1,4 @@
-"""This server's half of each transport (protocol/data_plane/transports.py
+"""This server's half of each transport (protocol/transports.py
 says what each one is; trainer/transport/registry.py holds the senders): how
 a push over it is received. The push path asks the receiver (joins the
 trainer's group? which worker op opens the receive?) instead of comparing
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_sidecar.protocol.data_plane.transports import TRANSPORTS, TransportKind
-from rollout_sidecar.server.weights.ops import WorkerOp
+from rollout_sidecar.protocol.transports import TRANSPORTS, TransportKind
+from rollout_sidecar.server.weights.worker_requests import Allocate, OpenPush, Receive
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,9 @@ class Receiver:
         return self.kind.needs_gpu
 
     @property
-    def opens_with(self) -> WorkerOp:
-        """The worker op that opens a push's receive."""
-        return WorkerOp.RECEIVE if self.joins_group else WorkerOp.ALLOCATE
+    def opens_with(self) -> type[OpenPush]:
+        """The worker request that opens a push's receive."""
+        return Receive if self.joins_group else Allocate
 
 
 RECEIVERS = {name: Receiver(kind) for name, kind in TRANSPORTS.items()}

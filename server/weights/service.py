@@ -46,12 +46,12 @@ from rollout_sidecar.server.weights import ops, rendezvous_address, staging_layo
 from rollout_sidecar.server.weights.commit import CommitPhases
 from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.manifest_check import check_manifest
-from rollout_sidecar.server.weights.ops import WorkerOp
 from rollout_sidecar.server.weights.probe_scoring import ProbeScorer
 from rollout_sidecar.server.weights.push_session import Push, PushSession, PushState
 from rollout_sidecar.server.weights.receivers import offered, receiver
 from rollout_sidecar.server.weights.watchdog import PushWatchdog
 from rollout_sidecar.server.weights.worker.host_share import StagingRoot
+from rollout_sidecar.server.weights.worker_requests import Stage
 
 log = logging.getLogger(__name__)
 
@@ -212,10 +212,10 @@ class WeightService:
                 self.commits.delta_base = None  # a dense receive overwrites the staged copy
             try:  # opens vLLM's update session on every worker (worker_calls.py)
                 if not req.unchanged:  # nothing will arrive: no session, no staging
-                    await ops.send(self.llm, receiver(req.transport).opens_with,
-                                   manifest=[b.model_dump() for b in req.buckets],
-                                   version=req.version, delta_base=req.delta_base,
-                                   adapter=req.adapter.model_dump() if req.adapter else None)
+                    await ops.send(self.llm, receiver(req.transport).opens_with(
+                        manifest=[b.model_dump() for b in req.buckets], version=req.version,
+                        delta_base=req.delta_base,
+                        adapter=req.adapter.model_dump() if req.adapter else None))
             except Exception as e:
                 await self.commits.end_session()  # on the ranks where it opened
                 self.commits.delta_base = None  # the workers may disagree: start over dense
@@ -252,7 +252,7 @@ class WeightService:
                 await self.session.fail(push, f"bucket {index} checksum mismatch over HTTP")
                 raise PushConflict(f"bucket {index} checksum mismatch; push {push_id} failed")
             try:
-                await ops.send(self.llm, WorkerOp.STAGE, bucket=index, data=data)
+                await ops.send(self.llm, Stage(bucket=index, data=data))
             except Exception as e:
                 await self.session.fail(push, f"bucket {index} rejected: {e}")
                 raise PushConflict(f"bucket {index} rejected: {e}") from e

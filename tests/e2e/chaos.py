@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from rollout_sidecar.client import GenerationClient, RetryPolicy
+from rollout_sidecar.protocol.failpoints import armed
 from rollout_sidecar.server.launcher import process_tree
 
 PHASES = ("begin", "transfer", "prepare", "commit", "probe")
@@ -46,32 +47,24 @@ class Freezer:
         self.frozen_at = None
 
 
-def freeze_at(pusher, replica: int, phase: str, freezer: Freezer) -> None:
-    """Make the pusher's next `phase` on replica `replica` meet it frozen."""
+@contextlib.contextmanager
+def frozen_at(pusher, replica: int, phase: str, freezer: Freezer) -> Iterator[None]:
+    """While the block runs, the pusher's `phase` on replica `replica` meets
+    it frozen (the trainer's failpoints, protocol/failpoints.py)."""
     if phase == "transfer":  # before the second bucket: the data plane is mid-push
-        send = pusher.transport.send
-
-        def send_then_freeze(index, buf, push_id, checksum):
+        def freeze(index, buf, rank=None):
             if index == 1:
                 freezer.freeze()
-            return send(index, buf, push_id, checksum)
-        pusher.transport.send = send_then_freeze
+        with armed("push.send", freeze):
+            yield
         return
-    admin = pusher.replicas.admins[replica]
-    call = getattr(admin, phase)
+    target = (phase, pusher.replicas.admins[replica].base_url)
 
-    def frozen_first(*args, **kwargs):
-        freezer.freeze()
-        return call(*args, **kwargs)
-    setattr(admin, phase, frozen_first)
-
-
-def unhook(pusher) -> None:
-    """Drop the instance-level wrappers `freeze_at` set."""
-    for admin in pusher.replicas.admins:
-        for phase in PHASES:
-            admin.__dict__.pop(phase, None)
-    pusher.transport.__dict__.pop("send", None)
+    def freeze(phase, url, rank=None):
+        if (phase, url) == target and freezer.frozen_at is None:
+            freezer.freeze()
+    with armed("push.call", freeze):
+        yield
 
 
 @dataclass

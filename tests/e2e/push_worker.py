@@ -12,11 +12,15 @@ with the same seed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
+import signal
 import time
 
 import torch
 
+from rollout_sidecar.protocol.failpoints import armed
 from rollout_sidecar.trainer.collectives import broadcast_object
 from tests.rank_worker import main
 
@@ -95,19 +99,19 @@ def body(args: argparse.Namespace, rank: int) -> dict:
         opt.step()
         if args.mode == "bad_shape":
             _break_manifest(pusher)
-        if args.mode == "bad_checksum":
-            _break_checksums(pusher)
-        if args.mode == "kill":
-            _die_mid_push(pusher, rank)
-        if args.mode == "kill_replica":
-            _kill_replica_mid_push(pusher)
+        # The faults mid-push, at the trainer's failpoint (protocol/failpoints.py).
+        send_fault = {"bad_checksum": _flip_on_the_wire, "kill": _die_at_bucket_2,
+                      "kill_replica": _kill_replica_at_bucket_2}.get(args.mode)
+        killed: dict = {}
         try:
-            res = pusher.push(model, version=args.version)
+            with (armed("push.send", functools.partial(send_fault, killed=killed))
+                  if send_fault else contextlib.nullcontext()):
+                res = pusher.push(model, version=args.version)
             report.update(error=None, timings=res.timings, nbytes=res.nbytes)
         except WeightPushError as e:
             report["error"] = str(e)
-            if hasattr(pusher, "killed_at"):
-                report["to_error_s"] = time.monotonic() - pusher.killed_at
+            if "at" in killed:
+                report["to_error_s"] = time.monotonic() - killed["at"]
         report["version_before"] = before
         # Sample from the server, score the same tokens with the trainer's model.
         out = None
@@ -174,58 +178,27 @@ def _record_splits(report: dict) -> None:
     p.manifest = recorded
 
 
-def _break_checksums(pusher) -> None:
-    """Send one bucket's bytes flipped after checksumming: the server's CRC check fails."""
-    if pusher.transport is None:
-        return
-    send = pusher.transport.send
-
-    def corrupt(index, buf, push_id, checksum):
-        if index != 1:
-            return send(index, buf, push_id, checksum)
-        # Flip a byte on the wire only: the trainer's CRC is of the true bytes.
-        buf[0] ^= 0xFF
-        send(index, buf, push_id, checksum).wait()
-        buf[0] ^= 0xFF
-        return _Done()
-
-    pusher.transport.send = corrupt
+def _flip_on_the_wire(index, buf, killed, rank=None):
+    """Bucket 1's bytes flipped on the wire only: the trainer's CRC is of the
+    true bytes, so the server's check fails."""
+    if index != 1:
+        return None
+    wire = buf.clone()
+    wire[0] ^= 0xFF
+    return wire
 
 
-class _Done:
-    def wait(self) -> None:
-        pass
+def _kill_replica_at_bucket_2(index, buf, killed, rank=None):
+    """Before bucket 2 goes out, one replica dies (as if its node failed)."""
+    if index == 2:
+        os.kill(int(os.environ["KILL_REPLICA_PID"]), signal.SIGKILL)
+        killed["at"] = time.monotonic()  # the report's time to error starts here
 
 
-def _kill_replica_mid_push(pusher) -> None:
-    """After bucket 2 went out, one replica dies (as if its node failed)."""
-    if pusher.transport is None:
-        return
-    import signal
-
-    send = pusher.transport.send
-
-    def kill_then_send(index, buf, push_id, checksum):
-        if index == 2:
-            os.kill(int(os.environ["KILL_REPLICA_PID"]), signal.SIGKILL)
-            pusher.killed_at = time.monotonic()  # the report's time to error starts here
-        return send(index, buf, push_id, checksum)
-
-    pusher.transport.send = kill_then_send
-
-
-def _die_mid_push(pusher, rank: int) -> None:
+def _die_at_bucket_2(index, buf, killed, rank=None):
     """Rank 0 vanishes after sending two buckets (as if OOM-killed)."""
-    if pusher.transport is None or os.environ.get("PUSH_KILLED_ONCE"):
-        return
-    send = pusher.transport.send
-
-    def die(index, buf, push_id, checksum):
-        if index == 2:
-            os._exit(17)
-        return send(index, buf, push_id, checksum)
-
-    pusher.transport.send = die
+    if index == 2 and not os.environ.get("PUSH_KILLED_ONCE"):
+        os._exit(17)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from rollout_sidecar.trainer import WeightMismatchError, WeightPusher
-from tests.conftest import ServerSpec, run_torchrun, serves, stop_server
+from tests.conftest import ServerSpec, run_torchrun, server_fixture
 from tests.e2e.adapter_push_worker import build_lora, step
 from tests.e2e.peft_push_worker import gaps, scored_sequences, served
 from tests.polling import engine_tokens, until_decoding
@@ -25,18 +25,13 @@ WORKER = Path(__file__).with_name("adapter_push_worker.py")
 GAP_TOL = 1e-4  # mean |dlogp|, fp32 served vs fp32 transformers (the bound)
 
 
-SERVER = ServerSpec.of("adapter", dtype="float32", fault_file=True,
+SERVER = ServerSpec.of("adapter", dtype="float32", failpoints=True,
                        env={"ROLLOUT_SIDECAR_ENABLE_LORA": "1",
                             "ROLLOUT_SIDECAR_MAX_LORA_RANK": "16",
                             "ROLLOUT_SIDECAR_LORA_KEEP": "2"})
 
 
-@pytest.fixture(scope="module")
-@serves(SERVER)
-def srv(server_plan):
-    s = server_plan.take(SERVER)
-    yield s
-    stop_server(s)
+srv = server_fixture(SERVER)
 
 
 def status(srv) -> dict:
@@ -99,12 +94,12 @@ def test_scaling_applied_twice_is_caught_by_the_probe(srv):
                       probe_tolerance=GAP_TOL) as pusher:
         pusher.push(model, version=v + 1)
         step(model, seed=8)
-        srv.fault_file.write_text("lora_scaling_twice")
+        srv.failpoints.write_text("adapter.scaling_twice")
         try:
             with pytest.raises(WeightMismatchError) as err:
                 pusher.push(model, version=v + 2)
         finally:
-            srv.fault_file.write_text("")
+            srv.failpoints.write_text("")
         assert status(srv)["suspect"], err.value
         step(model, seed=9)
         res = pusher.push(model, version=v + 3)  # a healthy adapter clears it

@@ -16,7 +16,7 @@ import torch
 from rollout_sidecar.trainer import WeightPusher
 from rollout_sidecar.trainer.control.admin_client import WeightAdminClient
 from rollout_sidecar.trainer.errors import WeightPushError
-from tests.conftest import ServerSpec, serves, stop_server
+from tests.conftest import ServerSpec, server_fixture
 
 # fp32 serving vs a transformers fp32 forward of the same weights.
 FP32_TOL = 1e-4
@@ -28,12 +28,7 @@ SERVER = ServerSpec.of("disconnect", dtype="float32",
                             "ROLLOUT_SIDECAR_LOGPROBS_MODE": "processed_logprobs"})
 
 
-@pytest.fixture(scope="module")
-@serves(SERVER)
-def srv(server_plan):
-    s = server_plan.take(SERVER)
-    yield s
-    stop_server(s)
+srv = server_fixture(SERVER)
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ DEADLINE_S = 600
 
 def doctor(tmp_path, fault: str = "") -> subprocess.CompletedProcess:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    fault_file = tmp_path / "fault"
-    fault_file.write_text(fault)
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", ROLLOUT_SIDECAR_TEST_FAULT_FILE=str(fault_file),
+    failpoints = tmp_path / "fault"
+    failpoints.write_text(fault)
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", ROLLOUT_SIDECAR_FAILPOINTS=str(failpoints),
                ROLLOUT_SIDECAR_CACHE_DIR=os.environ.get("ROLLOUT_SIDECAR_TEST_CACHE",
                                                         str(tmp_path / "cache")))
     proc = subprocess.Popen([sys.executable, "-m", "rollout_sidecar.server.cli", "doctor",
@@ -41,7 +41,8 @@ def test_doctor_passes_on_a_healthy_install_and_names_the_step_that_fails(tmp_pa
     # Two independent runs (each its own server on free ports), side by side.
     with ThreadPoolExecutor(2) as pool:
         # The load keeps a stale layer: only the probe can see it, and it must.
-        stale = pool.submit(doctor, tmp_path / "stale", "stale:model.layers.0.mlp.down_proj.weight")
+        stale = pool.submit(doctor, tmp_path / "stale",
+                            "load.stale:model.layers.0.mlp.down_proj.weight")
         ok = doctor(tmp_path / "healthy")
         bad = stale.result()
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]

@@ -20,7 +20,7 @@ import pytest
 from rollout_sidecar.client import GenerationClient
 from rollout_sidecar.trainer import PartialCommitError, ReplicaLostError, WeightPushError
 from tests.conftest import ServerSpec, serves, start_server, stop_server
-from tests.e2e.chaos import PHASES, Freezer, Traffic, freeze_at, timed, unhook
+from tests.e2e.chaos import PHASES, Freezer, Traffic, frozen_at, timed
 from tests.e2e.test_push import assert_pushed, run_worker
 from tests.polling import until
 
@@ -230,21 +230,20 @@ def test_a_frozen_replica_fails_the_push_fast_naming_it_while_clients_keep_going
             before = pair.versions()
             v = max(before) + 1
             freezer = Freezer(pair.b.proc.pid)
-            freeze_at(pusher, 1, phase, freezer)
             try:
-                _, out = timed(lambda v=v: pusher.push(weights.load(v), version=v))
+                with frozen_at(pusher, 1, phase, freezer):
+                    _, out = timed(lambda v=v: pusher.push(weights.load(v), version=v))
                 failed_at = time.monotonic()
-                frozen_at = freezer.frozen_at
+                froze = freezer.frozen_at
             finally:
-                unhook(pusher)
                 freezer.thaw()
-            assert frozen_at is not None, f"{phase}: the hook never froze B"
-            during = (frozen_at, failed_at)
-            row = dict(phase=phase, to_error_s=round(failed_at - frozen_at, 1),
+            assert froze is not None, f"{phase}: the failpoint never froze B"
+            during = (froze, failed_at)
+            row = dict(phase=phase, to_error_s=round(failed_at - froze, 1),
                        error=str(out), per_10s=round(traffic.per_10s(*during), 1),
                        served_during=sorted(traffic.versions(*during)))
             assert isinstance(out, WeightPushError), (phase, out)
-            assert failed_at - frozen_at < PUSH_TIMEOUT_S / 2, row
+            assert failed_at - froze < PUSH_TIMEOUT_S / 2, row
             assert pair.b.url in str(out) and "frozen" in str(out), row
             if phase in ("begin", "transfer", "prepare"):  # nothing published anywhere
                 assert v not in row["served_during"], row

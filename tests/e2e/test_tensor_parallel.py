@@ -54,7 +54,7 @@ def tp2_env(share: str | None = None) -> dict[str, str]:
 def tp2_spec(staging: str) -> ServerSpec:
     # Both with the default setting: shared where it fits, which the size of
     # /dev/shm decides.
-    return ServerSpec.of(f"tp2-{staging}", dtype="float32", fault_file=True, env=tp2_env(),
+    return ServerSpec.of(f"tp2-{staging}", dtype="float32", failpoints=True, env=tp2_env(),
                          shm_size=SMALL_SHM if staging == "per-worker" else None)
 
 
@@ -190,11 +190,11 @@ def _nan_after_begin(model) -> None:
 # fault -> (how it is made, whether the failed push leaves the gate broken)
 FAULTS = {
     "abort (NaN found mid-push)": ("nan", False),
-    "CRC refused at check on one rank": ("corrupt@{checking_rank}", False),
-    "load refused on rank 1 only": (f"drop:{O_PROJ}@1", True),
-    "load refused on rank 0 only": (f"drop:{O_PROJ}@0", True),
-    "load refused on both ranks": (f"drop:{O_PROJ}", False),
-    "crash after load on rank 1": ("crash@1", True),
+    "CRC refused at check on one rank": ("check.corrupt@{checking_rank}", False),
+    "load refused on rank 1 only": (f"load.drop:{O_PROJ}@1", True),
+    "load refused on rank 0 only": (f"load.drop:{O_PROJ}@0", True),
+    "load refused on both ranks": (f"load.drop:{O_PROJ}", False),
+    "crash after load on rank 1": ("load.crash@1", True),
     "trainer killed mid-transfer": ("kill", False),
 }
 
@@ -219,12 +219,12 @@ def test_a_fault_on_one_rank_publishes_nothing_and_the_next_push_is_exact(
             # Something to send and load: a push of unchanged weights moves no
             # bucket and loads nothing, so no check or load could fail.
             step(model, seed=500 + list(FAULTS).index(fault), density=0.05)
-            tp2.fault_file.write_text(how)
+            tp2.failpoints.write_text(how)
         try:
             with pytest.raises(WeightPushError):
                 pusher.push(model, version=v + 1)
         finally:
-            tp2.fault_file.write_text("")
+            tp2.failpoints.write_text("")
             with torch.no_grad():  # the trainer's weights as they were
                 for p, saved in zip(model.parameters(), failing, strict=True):
                     p.copy_(saved)

@@ -55,16 +55,16 @@ MOE = {"qwen3-moe", "glm4-moe"}
 class FamilyServer:
     family: str
     server: Server
-    fault_file: Path
+    failpoints: Path
 
 
 def family_spec(family: str, dtype: str) -> ServerSpec:
-    return ServerSpec(f"{family}-{dtype}", dtype=dtype, family=family, fault_file=True)
+    return ServerSpec(f"{family}-{dtype}", dtype=dtype, family=family, failpoints=True)
 
 
 def _serve(plan, family: str, dtype: str):
     server = plan.take(family_spec(family, dtype))
-    yield FamilyServer(family, server, server.fault_file)
+    yield FamilyServer(family, server, server.failpoints)
     stop_server(server)
 
 
@@ -154,11 +154,11 @@ def test_bf16_probe_reports_a_stale_parameter_as_drift_from_its_floor(bf16_famil
     # rise as far (trainer/probe.py), so it is drift, reported on both sides,
     # and the version is not marked suspect.
     fs = bf16_family
-    fs.fault_file.write_text("stale:model.layers.0.mlp.down_proj.weight")
+    fs.failpoints.write_text("load.stale:model.layers.0.mlp.down_proj.weight")
     try:
         (r,) = run_worker(fs, tmp_path, scenario="bf16")
     finally:
-        fs.fault_file.write_text("")
+        fs.failpoints.write_text("")
     print(f"BF16-STALE floor {r['identity']['floor']:.4f} probe {r['probe']}")
     assert r["error"] is None, r
     assert r["probe"]["passed"] and r["probe"]["drifted"], r
@@ -172,7 +172,7 @@ def test_bf16_probe_reports_a_stale_parameter_as_drift_from_its_floor(bf16_famil
 
 # ------------------------------------------------------------------ faults
 # On the tied Llama's fp32 server. The fault file makes the server's worker
-# load a deliberately wrong tensor (server/weights/fault_injection.py).
+# load a deliberately wrong tensor (protocol/failpoints.py).
 TIED = "llama-tied-gqa"
 SCORED = list(range(40, 100))
 
@@ -187,11 +187,11 @@ def score(fs: FamilyServer) -> tuple[int, list[float]]:
 def test_probe_catches_a_stale_parameter_and_marks_the_version(fp32_family, tmp_path):
     fs = fp32_family
     # The layer is complete (coverage passes) but holds the checkpoint's values.
-    fs.fault_file.write_text("stale:model.layers.1.mlp.down_proj.weight")
+    fs.failpoints.write_text("load.stale:model.layers.1.mlp.down_proj.weight")
     try:
         (r,) = run_worker(fs, tmp_path / "stale")
     finally:
-        fs.fault_file.write_text("")
+        fs.failpoints.write_text("")
     assert r["error_types_by_rank"] == ["WeightMismatchError"] * 2, r
     assert r["version_now"] == r["version_pushed"]  # committed, then found out
     status = admin(fs, "/weights/status")
@@ -215,11 +215,11 @@ def test_a_layer_left_without_weights_fails_the_push_untouched(fp32_family, tmp_
     fs = fp32_family
     v, before = score(fs)
     ready = httpx.get(fs.server.url + "/ready").status_code
-    fs.fault_file.write_text("drop:model.layers.0.self_attn.o_proj.weight")
+    fs.failpoints.write_text("load.drop:model.layers.0.self_attn.o_proj.weight")
     try:
         (r,) = run_worker(fs, tmp_path)
     finally:
-        fs.fault_file.write_text("")
+        fs.failpoints.write_text("")
     assert r["error_types_by_rank"] == ["WeightPushError"] * 2, r
     assert "model.layers.0.self_attn.o_proj (0 of " in r["error"], r
     assert r["version_now"] == v

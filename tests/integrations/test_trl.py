@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests import processes
-from tests.conftest import REPO, ServerSpec, free_port, serves, stop_server
+from tests.conftest import REPO, ServerSpec, free_port, server_fixture
 
 WORKER = Path(__file__).with_name("trl_worker.py")
 STEPS = 3
@@ -38,12 +38,7 @@ SERVER = ServerSpec.of("trl", dtype="float32",
                        env={"ROLLOUT_SIDECAR_LOGPROBS_MODE": "processed_logprobs"})
 
 
-@pytest.fixture(scope="module")
-@serves(SERVER)
-def srv(server_plan):
-    s = server_plan.take(SERVER)
-    yield s
-    stop_server(s)
+srv = server_fixture(SERVER)
 
 
 def launch(mode: str, tmp: Path) -> list[str]:

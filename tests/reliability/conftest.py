@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.conftest import Server, ServerSpec, serves, stop_server
+from tests.conftest import Server, ServerSpec, server_fixture
 from tests.reliability.oracle import VersionedWeights
 
 LEASE_S = 3  # a second trainer within this of the first one's last push is refused
@@ -25,19 +25,14 @@ class Trainer:
 # Fixed per session, so another replica (test_restart_soak.py) can share them.
 TOKENS = {"ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
           "ROLLOUT_SIDECAR_ADMIN_TOKEN": secrets.token_hex(8)}
-RELIABLE = ServerSpec.of("reliable", dtype="float32", fault_file=True, env={
+RELIABLE = ServerSpec.of("reliable", dtype="float32", failpoints=True, env={
     **TOKENS,
     "ROLLOUT_SIDECAR_CONNECTION_LEASE_S": str(LEASE_S),
     "ROLLOUT_SIDECAR_CONNECT_TIMEOUT_MAX_S": "10",
     "ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S": "30"})
 
 
-@pytest.fixture(scope="package")
-@serves(RELIABLE)
-def reliable(server_plan) -> Server:
-    s = server_plan.take(RELIABLE)
-    yield s
-    stop_server(s)
+reliable = server_fixture(RELIABLE, scope="package")
 
 
 def model_of(server: Server) -> torch.nn.Module:

@@ -262,12 +262,12 @@ def _log(server) -> str:
 
 def test_a_load_failing_mid_commit_serves_nothing_until_a_push_succeeds(reliable, trainer):
     v0 = served_version(reliable)
-    reliable.fault_file.write_text("crash")
+    reliable.failpoints.write_text("load.crash")
     try:
         with pytest.raises(WeightPushError, match="unusable"):
             push_next(reliable, trainer)
     finally:
-        reliable.fault_file.write_text("")
+        reliable.failpoints.write_text("")
     s = status(reliable)
     assert s["broken"] and s["weight_version"] == v0
     r = httpx.post(reliable.url + "/generate", json={"prompts": ["x"]},

@@ -20,7 +20,7 @@ import torch
 
 from rollout_sidecar.trainer import ServerRestartedError, WeightPusher
 from tests import processes
-from tests.conftest import ServerSpec, serves, start_server, stop_server
+from tests.conftest import ServerSpec, server_fixture, start_server
 from tests.polling import port_free, until
 
 pytestmark = pytest.mark.slow
@@ -33,12 +33,7 @@ SMALL = {"ROLLOUT_SIDECAR_MAX_SEQUENCES_PER_REQUEST": "8",
 SMALL_SERVER = ServerSpec.of("small", env=SMALL, max_model_len=64)
 
 
-@pytest.fixture(scope="module")
-@serves(SMALL_SERVER)
-def small(server_plan):
-    s = server_plan.take(SMALL_SERVER)
-    yield s
-    stop_server(s)
+small = server_fixture(SMALL_SERVER)
 
 
 def test_the_openapi_contract_holds_under_fuzzing(small):

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from rollout_sidecar.protocol.calls.failures import NEVER_SENT  # the request never reached it
+from rollout_sidecar.protocol.failpoints import fire
 from rollout_sidecar.protocol.schema import (
     BeginResponse,
     CommitResponse,
@@ -50,6 +51,7 @@ class WeightAdminClient:
     def _call(self, method: str, path: str, phase: str, budget_s: float | None = None,
               **kw: Any) -> dict:
         """One request; `budget_s`: a long call, watched (see deadlines.py)."""
+        fire("push.call", phase=phase, url=self.base_url)
         return self._check(self._send(method, path, phase, budget_s, **kw), method, path, phase)
 
     def _send(self, method: str, path: str, phase: str, budget_s: float | None,

@@ -24,6 +24,7 @@ import torch
 
 from rollout_sidecar.protocol.data_plane.delta_codec import Patch, write
 from rollout_sidecar.protocol.data_plane.wire_format import crc32, slot_bytes, torch_dtype
+from rollout_sidecar.protocol.failpoints import fire
 from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
 from rollout_sidecar.trainer.errors import Error  # (kind, message): see errors.py
 from rollout_sidecar.trainer.gather.row_blocks import FlatCursor, RowBlocks
@@ -78,14 +79,17 @@ class BucketSender:
             if err is not None:
                 continue  # keep gathering so peers never hang; send nothing more
             try:
+                # A test's stand-in for the bytes on the wire, or None (failpoints.py).
+                wire = fire("push.send", index=b.index, buf=buf)
+                wire = buf if wire is None else wire
                 if transport.checksum_in_request:
                     checksums.append(crc32(buf))
-                    in_flight[slot] = transport.send(b.index, buf, push_ids, checksums[-1])
+                    in_flight[slot] = transport.send(b.index, wire, push_ids, checksums[-1])
                 else:
                     # The CRCs (and tags) travel with the prepare, so compute
                     # them while the bucket is on the wire (zlib and hashlib
                     # release the GIL). An NCCL bucket comes to the host once.
-                    in_flight[slot] = transport.send(b.index, buf, push_ids, None)
+                    in_flight[slot] = transport.send(b.index, wire, push_ids, None)
                     host = buf if buf.is_cpu else buf.cpu()
                     checksums.append(crc32(host))
                     if macs is not None:

@@ -42,7 +42,7 @@ from rollout_sidecar.protocol.data_plane.signed_store import (
     abort_connection,
     delete_connection_keys,
 )
-from rollout_sidecar.protocol.data_plane.transports import transport
+from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
 from rollout_sidecar.trainer.transport.registry import sender

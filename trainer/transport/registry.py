@@ -2,9 +2,9 @@
 apart. The server's counterpart is server/weights/receivers.py; the names are
 the wire's `Transport` (protocol/schema/weights_api.py).
 
-Adding a transport is one name there, one sender class here (the `Transport`
-protocol of base.py, registered with `@sender(name)` and built from the
-pusher's settings by `from_config`) and one `Receiver` on the server.
+Adding a transport is its row in protocol/transports.py and one sender class
+here (the `Transport` protocol of base.py, registered with `@sender(name)` and
+built from the pusher's settings by `from_config`).
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from rollout_sidecar.protocol.failpoints import fire
 from rollout_sidecar.protocol.schema.adapter_api import lora_module
-from rollout_sidecar.server.weights.worker.fault_injection import lora_scaling_fault
 from rollout_sidecar.server.weights.worker.reload import LoadRefused
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def stage_adapter(model: torch.nn.Module, factors: dict[str, torch.Tensor],
                   scaling: dict[str, float], lora_id: int, keep_ids: list[int]) -> None:
     """Build the adapter once (every refusal happens here, before the
     commit), then keep its factors for vLLM's loads; drop ids not kept."""
-    if lora_scaling_fault():
+    if fire("adapter.scaling_twice") is not None:
         scaling = {m: s * s for m, s in scaling.items()}
     build_adapter(model, factors, scaling, lora_id)
     for old in [i for i in _PUSHED if i not in keep_ids]:

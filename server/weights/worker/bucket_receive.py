@@ -19,25 +19,25 @@ import torch
 
 from rollout_sidecar.protocol.data_plane.bucket_group import receive_bucket
 from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac
-from rollout_sidecar.protocol.data_plane.transports import transport
 from rollout_sidecar.protocol.data_plane.wire_format import crc32
+from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.weights.worker.staging import StagedBucket
 
 log = logging.getLogger(__name__)
 
 
-class Receive(threading.Thread):
+class ReceiveThread(threading.Thread):
     """One push's receive: its thread, the group it reads and its error, kept
     apart from the next push's (a stale receive on a dropped group may end
     late, and must not fail a push that came after it)."""
 
-    def __init__(self, group: Any, run: Callable[[Receive], None]) -> None:
+    def __init__(self, group: Any, run: Callable[[ReceiveThread], None]) -> None:
         super().__init__(target=lambda: self._guarded(run), daemon=True,
                          name="rollout-sidecar-recv")
         self.group = group
         self.error: BaseException | None = None
 
-    def _guarded(self, run: Callable[[Receive], None]) -> None:
+    def _guarded(self, run: Callable[[ReceiveThread], None]) -> None:
         try:
             run(self)
         except BaseException as e:  # reported by SideOp.STATE and WorkerOp.CHECK

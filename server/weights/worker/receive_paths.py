@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from rollout_sidecar.protocol.data_plane.transports import transport
+from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.weights.worker.bucket_receive import (
-    Receive,
+    ReceiveThread,
     receive_broadcast,
     receive_chain,
 )
@@ -51,19 +51,19 @@ class GroupReceive:
             return self.device
         return HOST
 
-    def start(self, buckets: list[StagedBucket]) -> Receive:
+    def start(self, buckets: list[StagedBucket]) -> ReceiveThread:
         """Receive every bucket in a background thread, started here."""
         c = self.connection
         j = c.joiner
         assert j is not None
 
-        def run(rx: Receive) -> None:
+        def run(rx: ReceiveThread) -> None:
             if j.info.fanout == "chain":
                 receive_chain(rx.group, buckets, j.rank, j.info.world_size, j.info.mac_key)
             else:
                 receive_broadcast(rx.group, buckets, c.backend, self.device, j.info.mac_key)
 
-        receiver = Receive(c.group, run)
+        receiver = ReceiveThread(c.group, run)
         receiver.start()
         return receiver
 

@@ -2,9 +2,10 @@
 
 Runs inside the vLLM worker process. The API process drives it with
 `WorkerOp`s and `SideOp`s through the worker method our plugin adds, which
-answers every call with a value (worker_calls.py, ops.py); `WorkerOp`s reach
-`receive_weights` through vLLM's `update_weights`, inside its update session.
-The model changes only in `WorkerOp.LOAD`, and only with a complete,
+answers every call with a value (worker_calls.py, ops.py); a `WorkerOp`'s typed
+request (worker_requests.py) reaches `receive_weights` through vLLM's
+`update_weights`, inside its update session, which dispatches on its type.
+The model changes only in a `Load`, and only with a complete,
 CRC-checked set of buckets; the load itself is all-or-nothing (reload.py).
 `finish_weight_update` releases the patches and forgets the push, so a later
 `discard` leaves the staged copy alone: it stays, the base of the next delta.
@@ -26,56 +27,45 @@ staged copy and an adapter's factors, never a delta besides.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from rollout_sidecar.protocol.schema import BucketManifest
+from rollout_sidecar.protocol.failpoints import fire
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.worker.adapter_loading import (
     split_adapter,
     stage_adapter,
 )
-from rollout_sidecar.server.weights.worker.bucket_receive import Receive
-from rollout_sidecar.server.weights.worker.fault_injection import (
-    apply_test_faults,
-    corrupt_arrived,
-    crash_after_load,
-)
+from rollout_sidecar.server.weights.worker.bucket_receive import ReceiveThread
 from rollout_sidecar.server.weights.worker.group_membership import GroupMembership, StagedInitInfo
 from rollout_sidecar.server.weights.worker.host_share import StagingRole, host_view
+from rollout_sidecar.server.weights.worker.load_failpoints import (
+    corrupt_arrived,
+    loaded_with_failpoints,
+)
 from rollout_sidecar.server.weights.worker.patching import ResidentCopy, apply_patches
 from rollout_sidecar.server.weights.worker.receive_paths import GroupReceive, HttpStage
 from rollout_sidecar.server.weights.worker.reload import LoadRefused, load_all_or_nothing
 from rollout_sidecar.server.weights.worker.staging import Staging
+from rollout_sidecar.server.weights.worker_requests import (
+    Allocate,
+    Check,
+    Load,
+    OpenPush,
+    Patch,
+    Receive,
+    Stage,
+    WorkerRequest,
+    parse,
+)
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class StagedUpdateInfo(WeightTransferUpdateInfo):
-    op: str
-    manifest: list[dict] | None = None
-    checksums: list[int] | None = None
-    bucket: int | None = None
-    data: bytes | None = None
-    timeout_s: float = 300.0
-    macs: list[str] | None = None  # CHECK: each bucket's tag (with a secret)
-    version: int | None = None  # CHECK: bound into the tags; RECEIVE/ALLOCATE, LOAD
-    delta_base: int | None = None  # RECEIVE/ALLOCATE: a delta push's base (patching.py)
-    adapter: dict | None = None  # RECEIVE/ALLOCATE: a LoRA adapter push's AdapterSpec
-    lora_id: int | None = None  # LOAD of an adapter push: its vLLM LoRA id
-    keep_ids: list[int] | None = None  # LOAD of an adapter push: the ids kept loaded
-
-
-class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpdateInfo]):
+class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
     init_info_cls = StagedInitInfo
-    update_info_cls = StagedUpdateInfo
     supports_draft_weight_update = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -88,9 +78,9 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.delta = Staging()
         self.role = StagingRole.alone(self._worker_rank())
         self.resident = ResidentCopy()
-        self._push: StagedUpdateInfo | None = None  # the push's RECEIVE/ALLOCATE
+        self._push: OpenPush | None = None  # the push's Receive or Allocate
         self.connection = GroupMembership()
-        self._receiver: Receive | None = None  # this push's, once it receives
+        self._receiver: ReceiveThread | None = None  # this push's, once it receives
         self._patched = False  # a delta's patches are in the staged copy (PATCH)
         self._checked = False
 
@@ -179,8 +169,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
     @property
     def _adapter_only(self) -> bool:
         """An adapter over the weights already loaded: the staged copy stays."""
-        a = self._push.adapter if self._push is not None else None
-        return a is not None and a.get("base_version") is not None
+        return self._push is not None and self._push.adapter_only
 
     @property
     def incoming(self) -> Staging:
@@ -196,73 +185,84 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self._push = None
         self._release_patches()  # the staged copy stays: a delta may apply to it
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: WorkerRequest | dict[str, Any]) -> None:
         # Overrides the base, which calls torch.accelerator.synchronize(): that
         # raises on CPU, and our receive is synchronous per bucket anyway.
-        info = self.parse_update_info(update_info)
+        request = (update_info if not isinstance(update_info, dict)
+                   else self.parse_update_info(update_info))
         try:
-            self.receive_weights(info)
+            self.receive_weights(request)
         except BaseException:
             self.discard()
             raise
 
-    def receive_weights(self, info: StagedUpdateInfo) -> None:
-        op = WorkerOp(info.op)
-        if self._follower and op in (WorkerOp.RECEIVE, WorkerOp.STAGE, WorkerOp.CHECK):
-            # The leader receives and checks; a follower only keeps the layout.
-            if op is WorkerOp.RECEIVE:
-                self._allocate(info, torch.device("cpu"))
-            self._checked = op is WorkerOp.CHECK
-            return
-        if op is WorkerOp.ALLOCATE:
-            self._allocate(info, HttpStage.staging_device)
-        elif op is WorkerOp.RECEIVE:
-            path = GroupReceive(self.connection, self.device)
-            # Patches (a delta's, an adapter's) are small and applied on the host.
-            self._allocate(info, path.staging_device(
-                small=info.delta_base is not None or info.adapter is not None))
-            self._receiver = path.start(self.incoming.buckets)
-        elif op is WorkerOp.STAGE:
-            HttpStage.stage(self.incoming.buckets, info.bucket, info.data)
-        elif op is WorkerOp.PATCH:
-            self._patch()
-        elif op is WorkerOp.CHECK:
-            if not self._join_receiver(timeout=info.timeout_s):
-                raise TimeoutError(f"buckets still arriving after {info.timeout_s:.0f}s")
-            if self._error is not None:
-                raise RuntimeError(f"receive failed: {self._error}")
-            if self.incoming.buckets and corrupt_arrived(self.incoming.buckets[0].buffer,
-                                                         self._worker_rank()):
-                self.incoming.buckets[0].checksum = None  # recomputed: sees the fault
-            self._check_macs(info)  # first: a forger fixes the CRC up too
-            self.incoming.check(info.checksums or [])
-            self._checked = True
-        elif op is WorkerOp.LOAD:
-            if not self._checked:
-                raise RuntimeError("load before every bucket arrived and passed its CRC")
-            self.staging.attach()  # a follower maps the leader's buffers
-            self.patches.attach()
-            try:
-                if self._push is not None and self._push.adapter is not None:
-                    self._load_adapter(info)
-                else:
-                    self._load()
-            finally:
-                self.staging.detach()
-                self.patches.detach()
-            crash_after_load(self._worker_rank())
+    def parse_update_info(self, update_dict: dict[str, Any]) -> WorkerRequest:
+        """A dict as vLLM's own routes would pass it: `{"op": ..., **fields}`."""
+        fields = dict(update_dict)
+        return parse(WorkerOp(fields.pop("op")), fields)
 
-    def _allocate(self, info: StagedUpdateInfo, device: torch.device) -> None:
-        if info.delta_base is not None:
-            self.resident.require(info.delta_base)
+    def receive_weights(self, request: WorkerRequest) -> None:
+        if self._follower and isinstance(request, Receive | Stage | Check):
+            # The leader receives and checks; a follower only keeps the layout.
+            if isinstance(request, Receive):
+                self._allocate(request, torch.device("cpu"))
+            self._checked = isinstance(request, Check)
+            return
+        match request:
+            case Allocate():
+                self._allocate(request, HttpStage.staging_device)
+            case Receive():
+                path = GroupReceive(self.connection, self.device)
+                self._allocate(request, path.staging_device(small=request.small))
+                self._receiver = path.start(self.incoming.buckets)
+            case Stage():
+                HttpStage.stage(self.incoming.buckets, request.bucket, request.data)
+            case Patch():
+                self._patch()
+            case Check():
+                self._check(request)
+            case Load():
+                self._load_push(request)
+
+    def _check(self, request: Check) -> None:
+        if not self._join_receiver(timeout=request.timeout_s):
+            raise TimeoutError(f"buckets still arriving after {request.timeout_s:.0f}s")
+        if self._error is not None:
+            raise RuntimeError(f"receive failed: {self._error}")
+        if self.incoming.buckets and corrupt_arrived(self.incoming.buckets[0].buffer,
+                                                     self._worker_rank()):
+            self.incoming.buckets[0].checksum = None  # recomputed: sees the fault
+        self._check_macs(request)  # first: a forger fixes the CRC up too
+        self.incoming.check(request.checksums)
+        self._checked = True
+
+    def _load_push(self, request: Load) -> None:
+        if not self._checked:
+            raise RuntimeError("load before every bucket arrived and passed its CRC")
+        self.staging.attach()  # a follower maps the leader's buffers
+        self.patches.attach()
+        try:
+            if self._push is not None and self._push.adapter is not None:
+                self._load_adapter(request)
+            else:
+                self._load()
+        finally:
+            self.staging.detach()
+            self.patches.detach()
+        if fire("load.crash", self._worker_rank()) is not None:
+            raise RuntimeError("failpoint load.crash: the load failed after the model changed")
+
+    def _allocate(self, request: OpenPush, device: torch.device) -> None:
+        if request.delta_base is not None:
+            self.resident.require(request.delta_base)
             if not self._follower:  # a follower never reads a delta's patches
-                self.delta.allocate(_manifest(info), device)
-        elif info.adapter is not None and info.adapter.get("base_version") is not None:
-            self.patches.allocate(_manifest(info), device)  # the staged copy stays
+                self.delta.allocate(request.buckets(), device)
+        elif request.adapter_only:
+            self.patches.allocate(request.buckets(), device)  # the staged copy stays
         else:
             self.resident.version = None  # overwritten from here on
-            self.staging.allocate(_manifest(info), device)
-        self._push = info
+            self.staging.allocate(request.buckets(), device)
+        self._push = request
 
     def _patch(self) -> None:
         """Apply a delta into the staged copy, which then holds neither version
@@ -283,25 +283,25 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         if self._delta_base is not None and not self._patched:
             raise LoadRefused("a delta's load needs its patches applied first (PATCH)")
         self.resident.version = None
-        weights = apply_test_faults(self.staging.tensors(), self.model_config.model,
+        weights = loaded_with_failpoints(self.staging.tensors(), self.model_config.model,
                                     self._worker_rank())
         load_all_or_nothing(self.model, self.model_config, weights)
         self.resident.version = version  # kept: the next delta's base
         self._release_patches()
 
-    def _load_adapter(self, info: StagedUpdateInfo) -> None:
+    def _load_adapter(self, request: Load) -> None:
         """An adapter push: built (and checked) first, then its base weights
         if it carries them; vLLM builds it again at its first request."""
         assert self._push is not None and self._push.adapter is not None
-        if info.lora_id is None or info.keep_ids is None:
+        if request.lora_id is None or request.keep_ids is None:
             raise LoadRefused("an adapter load needs lora_id and keep_ids")
         base, factors = split_adapter(self.incoming.tensors())
-        stage_adapter(self.model, factors, self._push.adapter["scaling"], info.lora_id,
-                      info.keep_ids)
+        stage_adapter(self.model, factors, self._push.adapter["scaling"], request.lora_id,
+                      request.keep_ids)
         if not self._adapter_only:  # the staged copy now holds base + factors: no delta base
             self.resident.version = None
             load_all_or_nothing(self.model, self.model_config,
-                                apply_test_faults(base, self.model_config.model,
+                                loaded_with_failpoints(base, self.model_config.model,
                                                   self._worker_rank()))
         self.patches.release()
 
@@ -313,12 +313,12 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         self.patches.release()
         self.delta.release()
 
-    def _check_macs(self, info: StagedUpdateInfo) -> None:
+    def _check_macs(self, request: Check) -> None:
         """With a connection secret, every bucket's tag must match: bytes the
         trainer that holds the secret did not send never load."""
         j = self.connection.joiner
         key = j.info.mac_key if j is not None else None
-        if info.macs is None or info.version is None:
+        if request.macs is None or request.version is None:
             if key is not None:
                 raise ValueError("this connection has a secret: the check needs each bucket's "
                                  "tag (macs) and the version")
@@ -326,7 +326,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
         if key is None:
             raise ValueError("bucket tags (macs) sent, but this connection was not made with "
                              "a secret and bucket_macs")
-        self.incoming.check_macs(info.macs, key, j.info.connection_id, info.version)
+        self.incoming.check_macs(request.macs, key, j.info.connection_id, request.version)
 
     # ---------------------------------------------------------------- internals
 
@@ -358,7 +358,3 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, StagedUpda
             self._receiver.join(timeout)
         return not self._receiving()
 
-
-def _manifest(info: StagedUpdateInfo) -> list[BucketManifest]:
-    # Dicts across vLLM's RPC (validated once already, at begin).
-    return [BucketManifest.model_validate(b) for b in info.manifest or []]

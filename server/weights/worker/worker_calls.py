@@ -21,6 +21,7 @@ from typing import Any
 
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.worker.reload import LoadRefused
+from rollout_sidecar.server.weights.worker_requests import parse
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,9 @@ def _worker_op(worker: Any, engine: Any, op: WorkerOp, payload: dict) -> dict | 
     elif not _session_open(worker):
         raise RuntimeError(f"{op.value}: no push is staged on this worker (its receive "
                            "failed or the push was aborted)")
-    # vLLM's update_weights ends the session if the op raises (gpu_worker.py).
-    worker.update_weights({"op": op.value, **payload})
+    # vLLM's update_weights ends the session if the op raises (gpu_worker.py);
+    # it hands the request to our engine's `update_weights` as it is.
+    worker.update_weights(parse(op, payload))
     return None
 
 

@@ -3,11 +3,13 @@ means anything. Both sides look a transport up here and ask it (does it join
 the trainer's group, can it relay a bucket, where do buckets land), never
 compare its name; each side then registers its own half under the same name:
 the trainer's sender (trainer/transport/registry.py) and the server's receive
-(server/weights/receivers.py). The wire names are `Transport`
-(protocol/schema/weights_api.py).
+(server/weights/receivers.py). The wire's `Transport`
+(protocol/schema/weights_api.py) is the names of this table.
 
-Adding a transport is a row here, its name on the wire, a sender class in
-the trainer and a `Receiver` on the server.
+Adding a transport is a row here and a sender class in the trainer; the
+server's `Receiver` is built from the row, and a transport that neither joins
+the group nor comes over HTTP adds its receive path on the server
+(worker/receive_paths.py).
 """
 
 from __future__ import annotations

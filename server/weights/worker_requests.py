@@ -1,0 +1,116 @@
+"""What each `WorkerOp` carries: one typed request per op, instead of one
+record of optional fields. The API process builds them (service.py,
+commit.py) and `ops.send` flattens one into the worker method's payload; the
+worker builds the same class back from it (`parse`, worker_calls.py) and the
+transfer engine dispatches on its type. FINISH and ABORT carry nothing and
+never reach the engine's `update_weights` (worker_calls.py ends the session).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from rollout_sidecar.protocol.schema import BucketManifest
+from rollout_sidecar.server.weights.ops import WorkerOp
+
+
+@dataclass(frozen=True)
+class OpenPush:
+    """Opens a push's receive: lays out staging for its buckets."""
+
+    op: ClassVar[WorkerOp]
+    manifest: list[dict]  # BucketManifest dumps, validated once already, at begin
+    version: int
+    delta_base: int | None = None  # a delta push's base (patching.py)
+    adapter: dict | None = None  # a LoRA adapter push's AdapterSpec
+
+    def buckets(self) -> list[BucketManifest]:
+        return [BucketManifest.model_validate(b) for b in self.manifest]
+
+    @property
+    def small(self) -> bool:
+        """Patches (a delta's, an adapter's): small, and applied on the host."""
+        return self.delta_base is not None or self.adapter is not None
+
+    @property
+    def adapter_only(self) -> bool:
+        """An adapter over the weights already loaded: the staged copy stays."""
+        return self.adapter is not None and self.adapter.get("base_version") is not None
+
+
+@dataclass(frozen=True)
+class Allocate(OpenPush):
+    """HTTP transport: the buckets will come as `Stage` requests."""
+
+    op: ClassVar[WorkerOp] = WorkerOp.ALLOCATE
+
+
+@dataclass(frozen=True)
+class Receive(OpenPush):
+    """gloo/NCCL: receive from the trainer's group, in a background thread."""
+
+    op: ClassVar[WorkerOp] = WorkerOp.RECEIVE
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One bucket's bytes, from an HTTP body."""
+
+    op: ClassVar[WorkerOp] = WorkerOp.STAGE
+    bucket: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Check:
+    """Phase 1: every bucket arrived (waiting at most `timeout_s`) and matches
+    its CRC and, with a connection secret, its tag over `version`."""
+
+    op: ClassVar[WorkerOp] = WorkerOp.CHECK
+    checksums: list[int]
+    timeout_s: float
+    macs: list[str] | None = None
+    version: int | None = None
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A delta: write its patches into the staged copy (the model untouched)."""
+
+    op: ClassVar[WorkerOp] = WorkerOp.PATCH
+
+
+@dataclass(frozen=True)
+class Load:
+    """The commit: load the staged push, all of it or none of it. An adapter
+    push's load names its fresh vLLM LoRA id and the ids kept loaded."""
+
+    op: ClassVar[WorkerOp] = WorkerOp.LOAD
+    lora_id: int | None = None
+    keep_ids: list[int] | None = None
+
+
+WorkerRequest = Allocate | Receive | Stage | Check | Patch | Load
+
+REQUESTS: dict[WorkerOp, type[WorkerRequest]] = {
+    cls.op: cls for cls in (Allocate, Receive, Stage, Check, Patch, Load)}
+
+
+def payload(request: WorkerRequest) -> dict[str, Any]:
+    """The request as the worker method's payload (shallow: a bucket's bytes
+    are not copied)."""
+    return {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
+
+
+def parse(op: WorkerOp, fields: dict[str, Any]) -> WorkerRequest:
+    """The worker's side: the typed request of `op`; a ValueError names what
+    does not fit."""
+    cls = REQUESTS.get(op)
+    if cls is None:
+        raise ValueError(f"{op.value} carries no request to the transfer engine")
+    try:
+        return cls(**fields)
+    except TypeError as e:
+        raise ValueError(f"{op.value}: {e}") from None
