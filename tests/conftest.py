@@ -17,7 +17,15 @@ from rollout_sidecar.server.launcher import (
     stop_process,
 )
 from tests import processes
-from tests.server_plan import TEST_ENV, ServerPlan, ServerSpec, cache_dir, plan_from, serves
+from tests.server_plan import (
+    TEST_ENV,
+    WORKER_PROCESS,
+    ServerPlan,
+    ServerSpec,
+    cache_dir,
+    plan_from,
+    serves,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 __all__ = ["REPO", "Server", "ServerSpec", "free_port", "run_torchrun", "serves", "start_server",
@@ -100,7 +108,8 @@ def server_fixture(spec: ServerSpec, scope: str = "module") -> Any:
 # The servers fixtures take (`@serves`), launched ahead of their tests
 # (tests/server_plan.py): built once collection has ordered the tests.
 PLAN = ServerPlan([])
-DEFAULT = ServerSpec("server")
+# The product's own layout (a worker process; server_plan.WORKER_PROCESS).
+DEFAULT = ServerSpec.of("server", env=WORKER_PROCESS)
 
 
 def pytest_collection_finish(session):

@@ -22,10 +22,12 @@ from rollout_sidecar.trainer import ServerRestartedError, WeightPusher
 from tests import processes
 from tests.conftest import ServerSpec, server_fixture, start_server
 from tests.polling import port_free, until
+from tests.server_plan import WORKER_PROCESS
 
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).with_name("schemathesis.toml")
-SMALL = {"ROLLOUT_SIDECAR_MAX_SEQUENCES_PER_REQUEST": "8",
+# WORKER_PROCESS: the orphans checked include vLLM's worker process.
+SMALL = {**WORKER_PROCESS, "ROLLOUT_SIDECAR_MAX_SEQUENCES_PER_REQUEST": "8",
          "ROLLOUT_SIDECAR_MIN_VERSION_WAIT_S": "0.3",
          "ROLLOUT_SIDECAR_CONNECT_TIMEOUT_MAX_S": "0.3"}
 
