@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import os
 import time
@@ -25,15 +26,19 @@ from rollout_sidecar.client.liveness_registry import client_liveness
 from rollout_sidecar.client.replica_pool import ReplicaPool, ReplicaState
 from rollout_sidecar.client.request_plans import (
     Call,
+    Done,
     Job,
+    Outcome,
     Plan,
     ReadyCheck,
     ReplicaFrozen,
     RetryPolicy,
     Send,
     Sleep,
+    Step,
     Timeouts,
     Watch,
+    next_step,
 )
 from rollout_sidecar.protocol.calls.liveness import LivenessPolicy
 from rollout_sidecar.protocol.calls.stall_watch import Silent, run_watched, run_watched_async
@@ -184,26 +189,23 @@ class GenerationClient(_Replicated):
         self._http = httpx.Client(transport=transport, **self._http_kwargs)
 
     def _run(self, plan: Plan[T]) -> T:
-        try:
-            step = next(plan)
-            while True:
-                if isinstance(step, Send):
-                    reply, error = None, None
-                    try:
-                        reply = self._send(step)
-                    except httpx.TransportError as e:
-                        error = e  # the plan decides: retry elsewhere, or raise
-                    step = plan.send(reply) if error is None else plan.throw(error)
-                elif isinstance(step, Sleep):
-                    time.sleep(step.seconds)
-                    step = next(plan)
-                else:
-                    self._pool.refresh()
-                    step = next(plan)
-        except StopIteration as done:
-            return done.value
-        finally:
-            plan.close()
+        with contextlib.closing(plan):
+            step = next_step(plan, None)
+            while not isinstance(step, Done):
+                step = next_step(plan, self._outcome(step))
+            return step.value
+
+    def _outcome(self, step: Step) -> Outcome:
+        if isinstance(step, Send):
+            try:
+                return Outcome(reply=self._send(step))
+            except httpx.TransportError as e:
+                return Outcome(error=e)
+        if isinstance(step, Sleep):
+            time.sleep(step.seconds)
+        else:
+            self._pool.refresh()
+        return Outcome()
 
     def _send(self, step: Send) -> httpx.Response:
         def call() -> httpx.Response:
@@ -271,26 +273,23 @@ class AsyncGenerationClient(_Replicated):
 
     async def _run(self, plan: Plan[T]) -> T:
         self._loop = asyncio.get_running_loop()
-        try:
-            step = next(plan)
-            while True:
-                if isinstance(step, Send):
-                    reply, error = None, None
-                    try:
-                        reply = await self._send(step)
-                    except httpx.TransportError as e:
-                        error = e  # the plan decides: retry elsewhere, or raise
-                    step = plan.send(reply) if error is None else plan.throw(error)
-                elif isinstance(step, Sleep):
-                    await asyncio.sleep(step.seconds)
-                    step = next(plan)
-                else:
-                    await asyncio.to_thread(self._pool.refresh)  # DNS blocks
-                    step = next(plan)
-        except StopIteration as done:
-            return done.value
-        finally:
-            plan.close()
+        with contextlib.closing(plan):
+            step = next_step(plan, None)
+            while not isinstance(step, Done):
+                step = next_step(plan, await self._outcome(step))
+            return step.value
+
+    async def _outcome(self, step: Step) -> Outcome:
+        if isinstance(step, Send):
+            try:
+                return Outcome(reply=await self._send(step))
+            except httpx.TransportError as e:
+                return Outcome(error=e)
+        if isinstance(step, Sleep):
+            await asyncio.sleep(step.seconds)
+        else:
+            await asyncio.to_thread(self._pool.refresh)  # DNS blocks
+        return Outcome()
 
     async def _send(self, step: Send) -> httpx.Response:
         call = self._http.request(step.method, step.url, json=step.json, **step.kwargs)

@@ -174,6 +174,34 @@ Plan = Generator[Step, Any, T]
 
 
 @dataclass(frozen=True)
+class Outcome:
+    """What running a step gave the plan: a reply, or the transport error
+    it decides on (retry elsewhere, or raise)."""
+
+    reply: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Done(Generic[T]):
+    value: T
+
+
+def next_step(plan: Plan[T], outcome: Outcome | None) -> Step | Done[T]:
+    """The plan's first step (`outcome` None), or its next after `outcome`;
+    `Done` with its result once it returns. Both clients walk plans with it,
+    so the sync and the async one differ only in how they run a step."""
+    try:
+        if outcome is None:
+            return next(plan)
+        if outcome.error is not None:
+            return plan.throw(outcome.error)
+        return plan.send(outcome.reply)
+    except StopIteration as done:
+        return Done(done.value)
+
+
+@dataclass(frozen=True)
 class Timeouts:
     """The client's two bounds. `total_s`: every httpx timeout, and no retry
     begins after it since the call started. `stall_s`: how often a request

@@ -128,22 +128,23 @@ def test_a_leader_on_a_host_without_the_servers_directory_makes_and_holds_it(tmp
     its own host only; the leader on another host makes one there, held like
     the API process's (a later server removes it once nobody holds it)."""
     from rollout_sidecar.server.weights.worker import host_share
+    from rollout_sidecar.server.weights.worker_requests import Layout
 
     monkeypatch.setattr(host_share, "SHM", tmp_path)
     roles = {"0": {"plane_rank": 0, "leader": 0, "shared": True},
              "1": {"plane_rank": None, "leader": 0, "shared": True}}
-    leader = host_share.StagingRole.assigned({"roles": roles, "boot_id": "b"}, 0)
-    follower = host_share.StagingRole.assigned({"roles": roles, "boot_id": "b"}, 1)
+    leader = host_share.StagingRole.assigned(Layout(roles, "b"), 0)
+    follower = host_share.StagingRole.assigned(Layout(roles, "b"), 1)
     root = tmp_path / "rollout-sidecar-b"
     assert leader.directory == follower.directory == root / "g0"
     assert (root / host_share.StagingRoot.LOCK).exists() and not leader.follows
     assert follower.follows and follower.buffers("staging").leader is False
     assert not host_share._unowned(root)  # held while the leader lives
-    again = host_share.StagingRole.assigned({"roles": roles, "boot_id": "b"}, 0)
+    again = host_share.StagingRole.assigned(Layout(roles, "b"), 0)
     assert again.directory == leader.directory  # a second leader there adopts it as is
     leader.root.remove()
     alone = host_share.StagingRole.assigned(
-        {"roles": {"0": {"plane_rank": 3, "leader": 0, "shared": False}}, "boot_id": "b"}, 0)
+        Layout({"0": {"plane_rank": 3, "leader": 0, "shared": False}}, "b"), 0)
     assert (alone.plane_rank, alone.directory, alone.buffers("staging")) == (3, None, None)
 
 

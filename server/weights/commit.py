@@ -36,9 +36,9 @@ from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.data_plane import DataPlane
-from rollout_sidecar.server.weights.ops import SideOp, WorkerCallFailed, WorkerOp
+from rollout_sidecar.server.weights.ops import WorkerCallFailed, WorkerOp
 from rollout_sidecar.server.weights.push_session import Push, PushFailed, PushSession, PushState
-from rollout_sidecar.server.weights.worker_requests import Check, Load, Patch
+from rollout_sidecar.server.weights.worker_requests import Check, Load, Patch, Relabel
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ class CommitPhases:
         gate, v = self.engine.gate, push.req.version
         self.delta_base = None  # until every worker relabelled (begin checked the base)
         try:
-            await ops.call(self.llm, SideOp.RELABEL, base=push.req.delta_base, version=v)
+            await ops.send(self.llm, Relabel(base=push.req.delta_base, version=v))
         except Exception as e:
             # Nothing changed the model; the workers may disagree now: dense next.
             raise PushFailed(f"push of unchanged weights rejected, version {gate.version} "

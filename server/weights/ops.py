@@ -23,7 +23,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rollout_sidecar.server.weights.worker_requests import WorkerRequest
+    from rollout_sidecar.server.weights.worker_requests import Request
 
 WORKER_METHOD = "rollout_sidecar_call"
 
@@ -76,9 +76,9 @@ async def call(llm: Any, op: WorkerOp | SideOp, **payload: Any) -> list[dict]:
     return replies
 
 
-async def send(llm: Any, request: WorkerRequest) -> None:
-    """Run a worker op's typed request (worker_requests.py) on every worker;
-    raise `WorkerCallFailed` if any failed."""
+async def send(llm: Any, request: Request) -> None:
+    """Run an op's typed request (worker_requests.py) on every worker; raise
+    `WorkerCallFailed` if any failed."""
     from rollout_sidecar.server.weights.worker_requests import payload
 
     await call(llm, request.op, **payload(request))

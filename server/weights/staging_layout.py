@@ -28,6 +28,7 @@ from typing import Any
 
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.ops import SideOp
+from rollout_sidecar.server.weights.worker_requests import Layout
 
 GIB = 2**30
 MIB = 2**20
@@ -181,4 +182,4 @@ async def survey(llm: Any) -> list[WorkerHost]:
 
 async def assign(llm: Any, layout: StagingLayout, boot_id: str) -> None:
     """Give every worker its role (SideOp.LAYOUT; worker/host_share.py)."""
-    await ops.call(llm, SideOp.LAYOUT, roles=layout.roles(), boot_id=boot_id)
+    await ops.send(llm, Layout(roles=layout.roles(), boot_id=boot_id))

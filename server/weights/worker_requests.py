@@ -1,5 +1,6 @@
-"""What each `WorkerOp` carries: one typed request per op, instead of one
-record of optional fields. The API process builds them (service.py,
+"""What each op carries: one typed request per `WorkerOp`, and per `SideOp`
+that carries anything (CONNECT's is vLLM's init info, StagedInitInfo), instead
+of one record of optional fields. The API process builds them (service.py,
 commit.py) and `ops.send` flattens one into the worker method's payload; the
 worker builds the same class back from it (`parse`, worker_calls.py) and the
 transfer engine dispatches on its type. FINISH and ABORT carry nothing and
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rollout_sidecar.protocol.schema import BucketManifest
-from rollout_sidecar.server.weights.ops import WorkerOp
+from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 
 
 @dataclass(frozen=True)
@@ -92,24 +93,46 @@ class Load:
     keep_ids: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class Relabel:
+    """An unchanged push: the staged copy of `base` is `version` too."""
+
+    op: ClassVar[SideOp] = SideOp.RELABEL
+    base: int
+    version: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every worker's role in the staging layout (staging_layout.py), keyed
+    by its rank as a string (it crosses vLLM's RPC), and the server's boot id
+    (worker/host_share.py)."""
+
+    op: ClassVar[SideOp] = SideOp.LAYOUT
+    roles: dict[str, dict]
+    boot_id: str
+
+
 WorkerRequest = Allocate | Receive | Stage | Check | Patch | Load
+SideRequest = Relabel | Layout
+Request = WorkerRequest | SideRequest
 
-REQUESTS: dict[WorkerOp, type[WorkerRequest]] = {
-    cls.op: cls for cls in (Allocate, Receive, Stage, Check, Patch, Load)}
+REQUESTS: dict[WorkerOp | SideOp, type[Request]] = {
+    cls.op: cls for cls in (Allocate, Receive, Stage, Check, Patch, Load, Relabel, Layout)}
 
 
-def payload(request: WorkerRequest) -> dict[str, Any]:
+def payload(request: Request) -> dict[str, Any]:
     """The request as the worker method's payload (shallow: a bucket's bytes
     are not copied)."""
     return {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
 
 
-def parse(op: WorkerOp, fields: dict[str, Any]) -> WorkerRequest:
+def parse(op: WorkerOp | SideOp, fields: dict[str, Any]) -> Request:
     """The worker's side: the typed request of `op`; a ValueError names what
     does not fit."""
     cls = REQUESTS.get(op)
     if cls is None:
-        raise ValueError(f"{op.value} carries no request to the transfer engine")
+        raise ValueError(f"{op.value} carries no request")
     try:
         return cls(**fields)
     except TypeError as e:

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from rollout_sidecar.server.weights.worker_requests import Layout
+
 SHM = Path("/dev/shm")
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 NET_NS = Path("/proc/self/ns/net")
@@ -235,14 +237,14 @@ class StagingRole:
         return cls(rank, rank)
 
     @classmethod
-    def assigned(cls, payload: dict, rank: int) -> StagingRole:
-        """Its role in a LAYOUT payload: {"roles": {rank: {"plane_rank",
-        "leader", "shared"}}, "boot_id": the server's}. A leader of a shared
-        group on a host where this server holds no directory yet makes it."""
-        role = payload["roles"][str(rank)]
+    def assigned(cls, layout: Layout, rank: int) -> StagingRole:
+        """Its role in the layout: `roles[rank]` is {"plane_rank", "leader",
+        "shared"}. A leader of a shared group on a host where this server
+        holds no directory yet makes it."""
+        role = layout.roles[str(rank)]
         if not role["shared"]:
             return cls(role["plane_rank"], role["leader"])
-        root = StagingRoot(payload["boot_id"])
+        root = StagingRoot(layout.boot_id)
         if role["plane_rank"] is not None:
             root.adopt()
         return cls(role["plane_rank"], role["leader"], root.path / f"g{role['leader']}", root)

@@ -52,10 +52,12 @@ from rollout_sidecar.server.weights.worker.staging import Staging
 from rollout_sidecar.server.weights.worker_requests import (
     Allocate,
     Check,
+    Layout,
     Load,
     OpenPush,
     Patch,
     Receive,
+    Relabel,
     Stage,
     WorkerRequest,
     parse,
@@ -92,15 +94,17 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
             self.init_transfer_engine(self.parse_init_info(payload))
         elif op is SideOp.DISCONNECT:
             self.shutdown()
-        elif op is SideOp.RELABEL:
-            if self._push is not None:
-                raise RuntimeError("relabel while a push is staged")
-            self.resident.require(payload["base"])
-            self.resident.version = payload["version"]
         elif op is SideOp.HOST:
             return {**host_view(), "dp_index": self.parallel_config.data_parallel_index}
-        elif op is SideOp.LAYOUT:
-            self._take_role(StagingRole.assigned(payload, self._worker_rank()))
+        elif op in (SideOp.RELABEL, SideOp.LAYOUT):
+            match parse(op, payload):
+                case Relabel() as r:
+                    if self._push is not None:
+                        raise RuntimeError("relabel while a push is staged")
+                    self.resident.require(r.base)
+                    self.resident.version = r.version
+                case Layout() as layout:
+                    self._take_role(StagingRole.assigned(layout, self._worker_rank()))
         return self._state()
 
     def _take_role(self, role: StagingRole) -> None:
