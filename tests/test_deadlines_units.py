@@ -23,9 +23,9 @@ from rollout_sidecar.trainer import PartialCommitError, ReplicaError, ReplicaLos
 from rollout_sidecar.trainer.control.admin_client import WeightAdminClient
 from rollout_sidecar.trainer.control.deadlines import Deadlines, Stalled, watched
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
-from rollout_sidecar.trainer.control.two_phase import TwoPhaseCommit
 from rollout_sidecar.trainer.errors import from_kind, kind_of
 from rollout_sidecar.trainer.probe import lost_in_probe
+from rollout_sidecar.trainer.two_phase import TwoPhaseCommit
 from tests.conftest import free_port
 
 STALL = Deadlines(stall_s=0.3)

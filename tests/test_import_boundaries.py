@@ -35,6 +35,8 @@ CLIENT_INTERNALS = "rollout_sidecar.client."
 FOLDER_FORBIDDEN = {
     "server/engine/": {f"rollout_sidecar.server.{f}"
                        for f in ("generate", "openai_api", "weights", "health", "app")},
+    # The wire types need nothing of the data plane (no torch, no circle).
+    "protocol/schema/": {"rollout_sidecar.protocol.data_plane"},
 }
 FORBIDDEN = {
     "client": {"rollout_sidecar.server", "rollout_sidecar.trainer", "rollout_sidecar.demo",

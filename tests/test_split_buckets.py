@@ -250,3 +250,17 @@ def test_nan_in_a_later_chunk_is_refused_and_every_tensor_still_drawn():
     _, err = BucketSender().send_all(buckets, iter(drawn), LoopbackTransport(), ["push"])
     assert err is not None and err[0] == "nonfinite" and "embed" in err[1]
     assert drawn.draws == list(model)
+
+
+def test_the_wire_counts_every_torch_dtype_as_torch_does():
+    """The schema sizes slots without torch (the client imports it): its
+    itemsize, read off the dtype's name, is torch's for every dtype."""
+    from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
+    from rollout_sidecar.protocol.schema.weights_api import dtype_itemsize
+
+    dtypes = {d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    assert len(dtypes) > 20
+    for d in dtypes:
+        assert dtype_itemsize(dtype_name(d)) == d.itemsize, d
+    with pytest.raises(ValueError, match="unknown dtype 'floaty'"):
+        dtype_itemsize("floaty")

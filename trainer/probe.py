@@ -37,7 +37,6 @@ from torch.distributed.fsdp import FSDPModule
 from rollout_sidecar.protocol.schema import ProbeRequest, ProbeResult
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins, failures
 from rollout_sidecar.trainer.control.serving_state import ServingState
-from rollout_sidecar.trainer.control.two_phase import live_versions
 from rollout_sidecar.trainer.errors import (
     ReplicaError,
     ReplicaLostError,
@@ -45,6 +44,7 @@ from rollout_sidecar.trainer.errors import (
     WeightPushError,
 )
 from rollout_sidecar.trainer.rank_agreement import agree, rank
+from rollout_sidecar.trainer.two_phase import live_versions
 
 log = logging.getLogger(__name__)
 PROBE_TOKENS = 64

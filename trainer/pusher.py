@@ -11,7 +11,7 @@ A push, in order:
   4. gather and send: every rank gathers every bucket in the same order (the
      collectives line up); rank 0 packs and sends (pack/sender.py): the full
      tensors, or the changed elements of each rank's shard;
-  5. prepare, then commit, on every replica (control/two_phase.py): all or
+  5. prepare, then commit, on every replica (two_phase.py): all or
      nothing across replicas, a refusal before the commit aborts everywhere;
      every rank's shard copy then moves to this version (the next delta's base);
      meanwhile every rank runs the probe's forward (the servers are loading);
@@ -38,7 +38,6 @@ from rollout_sidecar.trainer.adapter.lora_adapter import LoraAdapter
 from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.control.serving_state import ServingState
-from rollout_sidecar.trainer.control.two_phase import TwoPhaseCommit
 from rollout_sidecar.trainer.delta.delta_push import DeltaPlan, DeltaPush, replicas_base
 from rollout_sidecar.trainer.errors import Error, from_kind
 from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
@@ -61,6 +60,7 @@ from rollout_sidecar.trainer.rank_agreement import agree, any_rank, broadcast, r
 from rollout_sidecar.trainer.release import close_parts, close_when_gone
 from rollout_sidecar.trainer.transport.base import Transport
 from rollout_sidecar.trainer.transport.registry import build_sender
+from rollout_sidecar.trainer.two_phase import TwoPhaseCommit
 
 __all__ = ["WeightPusher"]
 

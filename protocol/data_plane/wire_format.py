@@ -29,10 +29,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def itemsize(name: str) -> int:
-    return torch_dtype(name).itemsize
-
-
 def crc32(buf: torch.Tensor, running: int = 0) -> int:
     """CRC-32 of a contiguous uint8 tensor (copied to the host if it is not
     there; zlib releases the GIL); `running`: the CRC of the bytes before it."""

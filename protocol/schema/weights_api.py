@@ -47,6 +47,16 @@ PatchFormName = Literal["dense", "index", "gaps", "bitmap"]
 POSITION_ALIGN = 8  # a patch's values start at a multiple of this, after its positions
 
 
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of the torch dtype `name` ("bfloat16" -> 2), read off
+    its name without torch: its bits, a byte at least (bool, and sub-byte or
+    packed dtypes, take one). torch's own for every torch dtype (tested)."""
+    bits = re.search(r"\d+", name)
+    if name != "bool" and bits is None:
+        raise ValueError(f"unknown dtype {name!r}")
+    return max(1, int(bits.group()) // 8) if bits else 1
+
+
 def patch_nbytes(form: str, numel: int, changed: int, itemsize: int) -> int:
     """Bytes of one patch slot: its positions (int32 indices, uint16 gaps or
     a bitmap; none when dense), padded to POSITION_ALIGN, then the changed
@@ -101,20 +111,15 @@ class TensorSlot(StrictModel):
     @property
     def tensor_nbytes(self) -> int:
         """Bytes of the whole tensor in its wire dtype."""
-        # torch only here: the trainer and the server call it, never the client.
-        from rollout_sidecar.protocol.data_plane.wire_format import itemsize
-
-        return self.numel * itemsize(self.dtype)
+        return self.numel * dtype_itemsize(self.dtype)
 
     @property
     def length(self) -> int:
         """Bytes this entry occupies in its bucket: the chunk, the patch, or
         the whole tensor."""
         if self.patch is not None:
-            from rollout_sidecar.protocol.data_plane.wire_format import itemsize
-
             return patch_nbytes(self.patch.form, self.numel, self.patch.changed,
-                                itemsize(self.dtype))
+                                dtype_itemsize(self.dtype))
         return self.nbytes if self.chunk_offset is not None and self.nbytes is not None \
             else self.tensor_nbytes
 

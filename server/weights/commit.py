@@ -59,7 +59,7 @@ class Laps:
 
 class CommitPhases:
     """This server's phases of a push's commit (prepare, commit, abort);
-    trainer/control/two_phase.py drives them across replicas."""
+    trainer/two_phase.py drives them across replicas."""
 
     def __init__(self, engine: Engine, settings: ServerSettings, metrics: ServerMetrics,
                  plane: DataPlane, session: PushSession) -> None:

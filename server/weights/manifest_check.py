@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_sidecar.protocol.data_plane.wire_format import itemsize
 from rollout_sidecar.protocol.schema import BeginRequest, TensorSlot
+from rollout_sidecar.protocol.schema.weights_api import dtype_itemsize
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 from rollout_sidecar.server.weights.adapter_check import AdapterFactors
@@ -116,8 +116,8 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
             if p.patch is not None:
                 size = _patch_size(p, f)
             else:
-                size = chunks.size(p, itemsize(p.dtype) * spec.numel, f)
-            if p.offset < end_prev or p.offset % itemsize(p.dtype):
+                size = chunks.size(p, dtype_itemsize(p.dtype) * spec.numel, f)
+            if p.offset < end_prev or p.offset % dtype_itemsize(p.dtype):
                 raise BadRequest(f"{p.name}: offset {p.offset} overlaps or is misaligned",
                                  f"{f}.offset")
             end_prev = p.offset + size
