@@ -23,22 +23,24 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import httpx
 
 from rollout_sidecar.client.liveness_registry import client_liveness
-from rollout_sidecar.client.replica_pool import ReplicaPool, ReplicaState
-from rollout_sidecar.client.request_plans import (
-    Call,
+from rollout_sidecar.client.plan_steps import (
     Done,
-    Job,
     Outcome,
     Plan,
-    ReadyCheck,
-    ReplicaFrozen,
-    RetryPolicy,
     Send,
     Sleep,
     Step,
-    Timeouts,
     Watch,
     next_step,
+)
+from rollout_sidecar.client.replica_pool import ReplicaPool, ReplicaState
+from rollout_sidecar.client.request_plans import (
+    Call,
+    Job,
+    ReadyCheck,
+    ReplicaFrozen,
+    RetryPolicy,
+    Timeouts,
 )
 from rollout_sidecar.protocol.calls.liveness import LivenessPolicy
 from rollout_sidecar.protocol.calls.stall_watch import Silent, run_watched, run_watched_async

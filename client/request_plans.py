@@ -2,8 +2,9 @@
 rule, one error type, and the plans that run them over the replica pool.
 
 A plan is a generator that yields the I/O it wants done (`Send`, `Sleep`,
-`Resolve`) and gets the outcome back; each client only supplies that I/O,
-blocking or awaited, so the retry and routing logic exists once.
+`Resolve`: plan_steps.py) and gets the outcome back; each client only
+supplies that I/O, blocking or awaited, so the retry and routing logic exists
+once.
 
 Retries (at most `RetryPolicy.attempts` tries, and none begun after the
 client's `timeout` since the call started) go to another replica if one is up;
@@ -47,6 +48,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
 
+from rollout_sidecar.client.plan_steps import Plan, Resolve, Send, Sleep, Step, Watch
 from rollout_sidecar.client.replica_pool import ReplicaPool
 from rollout_sidecar.protocol.calls.failures import NEVER_SENT, RESET, STALLED
 from rollout_sidecar.protocol.calls.stall_watch import Silent
@@ -129,76 +131,6 @@ def retry_after_s(response: httpx.Response) -> float | None:
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
         return None
-
-
-@dataclass(frozen=True)
-class Watch:
-    """While the request runs on `replica`: given up if the process-wide
-    pinger finds it frozen (liveness.py), and every `every_s` (None: never)
-    GET `ping_url` (bounded by `ping_s`); either raises `ReplicaFrozen` at
-    the plan's `yield`."""
-
-    replica: str
-    every_s: float | None
-    ping_s: float
-
-    @property
-    def ping_url(self) -> str:
-        return self.replica + "/health"
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send this request; the plan gets the response, or the transport
-    error thrown in at its `yield`."""
-
-    method: str
-    url: str
-    json: Any = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    watch: Watch | None = None
-
-
-@dataclass(frozen=True)
-class Sleep:
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Resolve:
-    """Call `pool.refresh()`: blocking DNS, which the async client runs in a thread."""
-
-
-Step = Send | Sleep | Resolve
-Plan = Generator[Step, Any, T]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What running a step gave the plan: a reply, or the transport error
-    it decides on (retry elsewhere, or raise)."""
-
-    reply: Any = None
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True)
-class Done(Generic[T]):
-    value: T
-
-
-def next_step(plan: Plan[T], outcome: Outcome | None) -> Step | Done[T]:
-    """The plan's first step (`outcome` None), or its next after `outcome`;
-    `Done` with its result once it returns. Both clients walk plans with it,
-    so the sync and the async one differ only in how they run a step."""
-    try:
-        if outcome is None:
-            return next(plan)
-        if outcome.error is not None:
-            return plan.throw(outcome.error)
-        return plan.send(outcome.reply)
-    except StopIteration as done:
-        return Done(done.value)
 
 
 @dataclass(frozen=True)
