@@ -31,7 +31,8 @@ ENV = "ROLLOUT_SIDECAR_FAILPOINTS"
 log = logging.getLogger(__name__)
 
 FAILPOINTS: dict[str, str] = {
-    # The trainer (trainer/control/admin_client.py, trainer/pack/sender.py).
+    # The trainer (trainer/control/admin_client.py, trainer/pack/sender.py):
+    # armed in the process only, since their actions are code.
     "push.call": "before rank 0 calls a replica's weight route; (phase, url)",
     "push.send": "before a bucket leaves rank 0; (index, buf) -> the bytes to send "
                  "instead (the CRC stays the true bytes'), or None",
@@ -47,6 +48,7 @@ FAILPOINTS: dict[str, str] = {
                              "SkyRL's rebuilt adapters were (SkyRL 2221): only the probe sees it",
 }
 
+IN_PROCESS_ONLY = {"push.call", "push.send"}
 _actions: dict[str, Callable[..., Any]] = {}
 
 
@@ -73,7 +75,9 @@ def _from_file(name: str, rank: int | None) -> str | None:
         return None
     spec, at, only = spec.partition("@")
     armed_name, _, arg = spec.partition(":")
-    if _known(armed_name) != name or (at and rank is not None and int(only) != rank):
+    if _known(armed_name) in IN_PROCESS_ONLY:
+        raise ValueError(f"failpoint {armed_name} is armed in the process only (armed())")
+    if armed_name != name or (at and rank is not None and int(only) != rank):
         return None
     log.warning("failpoint %s%s fires%s (tests only)", name, f":{arg}" if arg else "",
                 "" if rank is None else f" on rank {rank}")

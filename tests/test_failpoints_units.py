@@ -48,6 +48,9 @@ def test_a_misspelt_failpoint_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, str(spec))
     with pytest.raises(ValueError, match="no failpoint 'crash'"):
         fire("load.crash", rank=0)
+    spec.write_text("push.send")  # its action is code: a file cannot give one
+    with pytest.raises(ValueError, match="in the process only"):
+        fire("load.crash", rank=0)
 
 
 def test_every_failpoint_has_one_site_and_every_site_a_row():
