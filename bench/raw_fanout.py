@@ -21,7 +21,8 @@ def _run(rank: int, world: int, port: int, fanout: str, nbytes: int, bucket: int
 
     from rollout_sidecar.protocol.data_plane.bucket_group import (
         broadcast_group,
-        receive_bucket,
+        receive_broadcast_bucket,
+        relay_buckets,
         send_bucket,
     )
 
@@ -46,9 +47,11 @@ def _run(rank: int, world: int, port: int, fanout: str, nbytes: int, bucket: int
             for w in works:
                 if w is not None:
                     w.wait()
-        else:
+        elif fanout == "broadcast":
             for _ in range(n):
-                receive_bucket(group, bufs[0], rank, world, fanout)
+                receive_broadcast_bucket(group, bufs[0])
+        else:
+            relay_buckets(group, [(bufs[0], 0)] * n, rank, world)
         group.barrier().wait()  # every receiver has everything
         times.append(time.perf_counter() - t0)
     if rank == 0:

@@ -42,6 +42,11 @@ def _error(status: int, message: str, field: str | None = None, detail: list | N
                         status_code=status, headers=headers)
 
 
+def _ready_after_catch_up(app: FastAPI, engine: GenerationEngine) -> None:
+    app.state.ready = True
+    log.info("ready: weight_version=%d (after the catch-up from a peer)", engine.gate.version)
+
+
 def create_app(settings: ServerSettings, model_path: Path | None = None,
                listeners: Listeners | None = None) -> FastAPI:
     """`model_path`: the checkpoint, if the caller resolved it already (see
@@ -72,8 +77,13 @@ def create_app(settings: ServerSettings, model_path: Path | None = None,
             await app.state.weights.start(
                 listeners.take_data_plane_fd() if listeners else None)
             stack.callback(app.state.weights.plane.stop)
-            app.state.ready = True
-            log.info("ready: weight_version=%d", engine.gate.version)
+            catching_up = app.state.weights.peer_copy.start()  # --peers: once serving
+            if catching_up is None:
+                app.state.ready = True
+                log.info("ready: weight_version=%d", engine.gate.version)
+            else:
+                app.state.not_ready_reason = "catching up from a peer"
+                catching_up.add_done_callback(lambda _: _ready_after_catch_up(app, engine))
             try:
                 yield
             finally:

@@ -195,6 +195,16 @@ class ServerSettings(BaseSettings):
         30.0, ge=0, description="Policy wait: how long a commit waits for in-flight requests "
         "before it aborts them; no request is held at the gate longer than this plus the load."
     )
+    peers: str | None = Field(
+        None, description="Replicas of this model to catch up from at start: comma-separated "
+        "URLs, or dns+http://name:port for every address of a headless Service. A replica that "
+        "starts while they serve a newer version takes it from the healthiest before it reports "
+        "ready, through the same check and commit as a push (docs/replicas.md); they share "
+        "this server's admin token.")
+    catch_up_timeout_s: float = Field(
+        600.0, gt=0, description="Longest a catch-up from a peer may take; after it this "
+        "replica reports ready on the weights it has, and the trainer's next push brings it "
+        "up to date.")
     connection_lease_s: float = Field(
         30.0, ge=0, description="A trainer's data-plane connection is its own for this long "
         "after its last push call, or for the trainer's own stall bound if that is shorter; "

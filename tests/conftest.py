@@ -63,17 +63,20 @@ def as_server(s: ServerProcess, tmp: Path) -> Server:
 
 def start_server(tmp: Path, name: str, extra_env: dict | None = None,
                  model: Path | str | None = None, dtype: str | None = None,
-                 like: Server | None = None, max_model_len: int | None = 512) -> Server:
+                 like: Server | None = None, max_model_len: int | None = 512,
+                 tokens_of: Server | None = None) -> Server:
     """A real server on free ports, started now (a server a test starts
     itself; fixtures take theirs from the plan); `like` restarts one on its
-    ports and tokens."""
+    ports and tokens; `tokens_of` shares a server's tokens only (replicas)."""
+    tokens_of = like or tokens_of
     env = {"ROLLOUT_SIDECAR_CACHE_DIR": str(cache_dir(tmp)), **TEST_ENV, **(extra_env or {})}
     s = launch_server(log=tmp / f"{name}.log", model=model, dtype=dtype,
                       max_model_len=max_model_len or None, env=env,
                       port=like.port if like else None,
                       data_plane_port=like.dp_port if like else None,
-                      api_token=like.api_token if like else None,
-                      admin_token=like.admin_token if like else None, ready_timeout_s=300)
+                      api_token=tokens_of.api_token if tokens_of else None,
+                      admin_token=tokens_of.admin_token if tokens_of else None,
+                      ready_timeout_s=300)
     return as_server(s, tmp)
 
 

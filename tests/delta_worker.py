@@ -62,8 +62,8 @@ def arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def body(args: argparse.Namespace, rank: int) -> dict:
+    from rollout_sidecar.protocol.data_plane.bucket_check import crc32
     from rollout_sidecar.protocol.data_plane.delta_codec import bits
-    from rollout_sidecar.protocol.data_plane.wire_format import crc32
     from rollout_sidecar.protocol.schema import BeginRequest
     from rollout_sidecar.server.weights.worker.patching import apply_patches
     from rollout_sidecar.trainer.delta.delta_push import DeltaPush

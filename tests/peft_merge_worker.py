@@ -84,7 +84,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
             begun = _Begun(plan_buckets(plan, torch.float32, pusher.config.bucket_bytes),
                            ["p"])
             pusher.transport = LoopbackTransport()
-        _, err = pusher._gather_and_send(model, begun, DENSE)
+        err = pusher._gather_and_send(model, begun, DENSE).error
         # every rank's shards, bit for bit (before the forward, which may
         # leave FSDP2's root unsharded)
         same = torch.tensor([int(all(torch.equal(a, b) for a, b in zip(

@@ -86,9 +86,9 @@ def push_loopback(model: torch.nn.Module, wire: torch.dtype = torch.float32
     buckets = plan_buckets(plan, wire, BUCKET)
     pusher = WeightPusher("http://127.0.0.1:9", admin_token="t", probe=False)
     pusher.transport = LoopbackTransport()
-    checksums, err = pusher._gather_and_send(model, _Begun(buckets, ["p"]), DENSE)
-    assert err is None, err
-    assert len(checksums) == len(buckets) > 1
+    sent = pusher._gather_and_send(model, _Begun(buckets, ["p"]), DENSE)
+    assert sent.error is None, sent.error
+    assert len(sent.checksums) == len(buckets) > 1
     return reassemble(buckets, pusher.transport.sent), buckets
 
 

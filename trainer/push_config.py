@@ -108,6 +108,21 @@ class PushConfig:
     replicas listen), or "auto" (chain for gloo with more than one receiver,
     else broadcast)."""
 
+    senders: Literal["all", "one"] = "all"
+    """Which trainer ranks send a dense push's buckets over gloo: "all" (each
+    bucket from one rank, shared out by bytes, so N ranks' links each carry
+    about 1/N of the push; every rank then holds two send buffers) or "one"
+    (rank 0 sends every bucket, as before). "all" falls back to one sender,
+    and `PushResult.senders_reason` says why, where it cannot go: a replica
+    that predates it (no `senders` in its capabilities), NCCL (its broadcast
+    reaches every rank of the group), HTTP, one rank, a delta or an adapter
+    push (rank 0 encodes them), a PEFT model or checkpoint conversion (rank 0
+    converts). Every rank then gathers each FSDP2 parameter whole
+    (`full_tensor()`, as FSDP2 does itself): `row_blocks`, which bring a large
+    one to rank 0 alone, apply to one sender only, so a rank's transient peak
+    is its largest parameter (about 3 copies for a moment) plus two buckets.
+    "one" keeps row blocks' bound."""
+
     authenticate_buckets: bool = False
     """gloo/NCCL: tag every bucket with a keyed BLAKE2b under the connection's
     secret, checked by every replica before anything loads, so bytes from
@@ -145,6 +160,7 @@ class PushConfig:
     def __post_init__(self) -> None:
         _one_of("transport", self.transport, Transport)
         _one_of("fanout", self.fanout, Fanout)
+        _one_of("senders", self.senders, Literal["all", "one"])
         _one_of("on_server_restart", self.on_server_restart, OnServerRestart)
         _one_of("delta", self.delta, DeltaMode)
         _one_of("delta_copy", self.delta_copy, CopyLocation)

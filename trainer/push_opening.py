@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_sidecar.protocol.schema import AdapterSpec
+from rollout_sidecar.protocol.schema import AdapterSpec, Check
+from rollout_sidecar.trainer.transport.peer_sender import Rendezvous
 
 
 @dataclass
@@ -24,3 +25,7 @@ class Opening:
     keep_copy: bool = True  # False: this model never goes as a delta (PEFT, conversions)
     adapter: AdapterSpec | None = None  # a LoRA adapter push (trainer/adapter/)
     adapter_reason: str | None = None  # why a PEFT model goes merged
+    check: Check = "crc32"  # each bucket's check (bucket_check.py), as every replica takes
+    senders: int = 1  # trainer ranks in the data-plane group (sending_ranks.py)
+    senders_reason: str | None = None  # why one, where every rank was asked to
+    rendezvous: Rendezvous | None = None  # a connection for every sender to join, if new

@@ -62,6 +62,9 @@ class PushResult:
     delta_base: int | None = None  # the version a delta was applied to
     delta_reason: str | None = None  # why a push with delta on went dense
     changed: int | None = None  # a delta: changed elements sent as patches (not dense ones)
+    senders: int = 1  # trainer ranks that sent this push's buckets
+    senders_reason: str | None = None  # why one, where every rank was asked to send
+    check: str = "crc32"  # each bucket's integrity check (bucket_check.py)
     elements: int | None = None  # a delta: elements of the whole model
 
     @property

@@ -31,8 +31,10 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from rollout_sidecar.protocol.data_plane.bucket_check import preferred_check
 from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
-from rollout_sidecar.protocol.schema import BucketManifest, CommitPolicy
+from rollout_sidecar.protocol.schema import CHECK_SUM64, BucketManifest, Check, CommitPolicy
+from rollout_sidecar.protocol.transports import transport as transport_kind
 from rollout_sidecar.trainer.adapter.adapter_push import AdapterPush
 from rollout_sidecar.trainer.adapter.lora_adapter import LoraAdapter
 from rollout_sidecar.trainer.control.deadlines import Deadlines
@@ -49,6 +51,7 @@ from rollout_sidecar.trainer.gather.full_tensors import (
     persistent_buffers,
 )
 from rollout_sidecar.trainer.gather.peft_merge import PeftMerge
+from rollout_sidecar.trainer.pack.bucket_senders import assign_senders
 from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
 from rollout_sidecar.trainer.pack.sender import BucketSender
 from rollout_sidecar.trainer.probe import Forward, commit_with_forward, probe_push
@@ -56,9 +59,17 @@ from rollout_sidecar.trainer.push_config import PushConfig
 from rollout_sidecar.trainer.push_opening import Opening
 from rollout_sidecar.trainer.push_plan import PushPlan, drained
 from rollout_sidecar.trainer.push_result import PushResult
-from rollout_sidecar.trainer.rank_agreement import agree, any_rank, broadcast, rank
+from rollout_sidecar.trainer.rank_agreement import agree, any_rank, broadcast, rank, world
 from rollout_sidecar.trainer.release import close_parts, close_when_gone
+from rollout_sidecar.trainer.sending_ranks import (
+    Sent,
+    choose_senders,
+    connect_every_rank,
+    gather_sent,
+)
 from rollout_sidecar.trainer.transport.base import Transport
+from rollout_sidecar.trainer.transport.distributed import DistributedTransport
+from rollout_sidecar.trainer.transport.peer_sender import PeerSender
 from rollout_sidecar.trainer.transport.registry import build_sender
 from rollout_sidecar.trainer.two_phase import TwoPhaseCommit
 
@@ -70,6 +81,8 @@ class _Begun(NamedTuple):
 
     buckets: list[BucketManifest]
     push_ids: list[str]  # each replica's id of this push
+    senders: int = 1  # trainer ranks that send this push's buckets
+    senders_reason: str | None = None  # why one, where the connection has several
 
 
 class WeightPusher:
@@ -103,13 +116,16 @@ class WeightPusher:
         # Rank 0 alone talks to the servers: the others hold no connection.
         self.replicas: ReplicaAdmins | None = None
         self.transport: Transport | None = None
+        # Ranks 1 .. N-1 when every rank sends (sending_ranks.py): their group.
+        self._peer = PeerSender()
+        self._check: Check = "crc32"  # this push's (every rank: `_connect`)
         if self.rank == 0:
             c = self.config
             deadlines = Deadlines(c.stall_timeout_s, c.connect_timeout_s)
             self.replicas = ReplicaAdmins(url, admin_token, deadlines)
             self.transport = build_sender(c.transport, self.replicas, c)
         # Closed once collected, or at interpreter exit, if the caller never does.
-        close_when_gone(self, self.transport, self.replicas, self._sender)
+        close_when_gone(self, self.transport, self.replicas, self._sender, self._peer)
 
     @property
     def _two_phase(self) -> TwoPhaseCommit:
@@ -149,6 +165,7 @@ class WeightPusher:
 
         opening: Opening = agree(lambda: self._open(model, version, adapter)
                                  if self.rank == 0 else None)
+        self._connect(opening, version)
         t_opened = time.perf_counter()
         plan = self._plan(model, opening)  # every rank: the same plan
         diff_s = time.perf_counter() - t_opened  # every rank's diff and the counts
@@ -156,16 +173,15 @@ class WeightPusher:
                               if self.rank == 0 else None)
         t_begun = time.perf_counter()
         if plan.delta is not None:
-            checksums, err = self._send_delta(plan.delta, begun)
+            sent = self._send_delta(plan.delta, begun)
         else:
-            checksums, err = self._gather_and_send(model, begun, plan)
+            sent = self._gather_and_send(model, begun, plan)
         t_sent = time.perf_counter()
         if probe is None:  # the pusher's setting, every probe_every-th push
             probe = self.config.probe if self._pushes % self.config.probe_every == 0 else False
 
         def commit() -> PushResult | None:
-            return self._commit(begun, checksums, err, opening.restarted) \
-                if self.rank == 0 else None
+            return self._commit(begun, sent, opening.restarted) if self.rank == 0 else None
 
         forwarded = None
         # The probe's forward while the servers load. On `probe` alone, the
@@ -183,6 +199,8 @@ class WeightPusher:
         self._adapter.committed(plan.adapter, result.version)
         result.encoding, result.delta_base = plan.encoding, plan.delta_base
         result.adapter_reason = opening.adapter_reason
+        result.senders, result.senders_reason = begun.senders, begun.senders_reason
+        result.check = opening.check
         if plan.delta is not None:
             result.timings["diff_s"] = diff_s
             result.changed = sum(p.changed for p in plan.delta.plans
@@ -218,8 +236,17 @@ class WeightPusher:
         # Persistent buffers the served checkpoint holds travel with the params.
         buffers = sorted(n for n in persistent_buffers(model)
                          if merge.rename(n) in serving.index.tensors)
-        self.transport.ensure_connected(serving.statuses)
-        self.transport.start_push(version)  # gloo/NCCL: this push's bucket tags
+        t = self.transport
+        on_device = transport_kind(t.name).on_device
+        check = preferred_check(on_device, all(CHECK_SUM64 in s.capabilities
+                                               for s in serving.statuses))
+        senders, senders_reason = choose_senders(self.config.senders, t.name, world(),
+                                                 serving.statuses)
+        rendezvous = None
+        if senders > 1 and isinstance(t, DistributedTransport):
+            rendezvous = t.plan_connect(serving.statuses, senders)  # every rank joins it
+        else:
+            t.ensure_connected(serving.statuses)
         spec, adapter_reason = self._adapter.choose(model, serving.statuses,
                                                     self.replicas.urls, adapter)
         converted = merge.active or CheckpointLayout(merge.base_model).active
@@ -231,7 +258,23 @@ class WeightPusher:
         return Opening(restarted, dtype_name(serving.serve_dtype),
                        {n: t.dtype for n, t in serving.index.tensors.items()}, buffers,
                        base, why, keep_copy=not converted, adapter=spec,
-                       adapter_reason=adapter_reason)
+                       adapter_reason=adapter_reason, check=check, senders=senders,
+                       senders_reason=senders_reason, rendezvous=rendezvous)
+
+    def _connect(self, opening: Opening, version: int) -> None:
+        """Every rank: join the connection rank 0 drew, if any (several
+        senders, sending_ranks.py), then start this push's bucket tags."""
+        t = self.transport if isinstance(self.transport, DistributedTransport) else None
+        redraw = (lambda: t.plan_connect(self._serving.statuses, opening.senders)) \
+            if t is not None else (lambda: None)
+        connect_every_rank(self.rank, opening.rendezvous, opening.senders, t, self._peer,
+                           redraw)
+        self._check = opening.check
+        if self.rank == 0:
+            assert self.transport is not None
+            self.transport.start_push(version)  # gloo/NCCL: this push's bucket tags
+        elif self._peer.group is not None:
+            self._peer.start_push(version)
 
     def _plan(self, model: nn.Module, opening: Opening) -> PushPlan:
         """Every rank: a delta if one may go and is worth it (the diff is a
@@ -256,30 +299,61 @@ class WeightPusher:
                     merge.plan(param_plan(model, buffers)))
             buckets = plan_buckets(params, serving.serve_dtype, self.config.bucket_bytes,
                                    serving.wire_dtypes, self.config.split_tensors)
+        senders, why = self._senders(plan)
+        if senders > 1:
+            buckets = assign_senders(buckets, senders)
         push_ids = self._two_phase.begin(version, manifest(buckets), self.config.commit_policy,
                                          serving.commit_timeout_s, plan.delta_base,
                                          plan.adapter.model_dump(exclude_none=True)
-                                         if plan.adapter is not None else None)
-        return _Begun(buckets, push_ids)
+                                         if plan.adapter is not None else None,
+                                         plan.opening.check)
+        return _Begun(buckets, push_ids, senders, why)
 
-    def _send_delta(self, delta: DeltaPlan, begun: _Begun) -> tuple[list[int], Error | None]:
+    @staticmethod
+    def _senders(plan: PushPlan) -> tuple[int, str | None]:
+        """This push's senders: the connection's, for a dense push of the
+        model's own tensors; rank 0 encodes a delta or an adapter, and
+        converts a PEFT model or a checkpoint layout."""
+        o = plan.opening
+        if o.senders == 1:
+            return 1, o.senders_reason
+        if plan.delta is not None:
+            return 1, "a delta push: rank 0 encodes every rank's changes"
+        if plan.adapter is not None:
+            return 1, "an adapter push: rank 0 converts the factors"
+        if not o.keep_copy:
+            return 1, "a PEFT model or a checkpoint conversion: rank 0 converts"
+        return o.senders, None
+
+    def _send_delta(self, delta: DeltaPlan, begun: _Begun) -> Sent:
         """Every rank sends its changes of each bucket to rank 0, which
         encodes, packs and sends the patches."""
         with drained(delta.diff.patches(begun.buckets, delta.plans)) as patches:
             if self.rank != 0:
-                return [], None  # `drained` runs every bucket's gather
+                return Sent()  # `drained` runs every bucket's gather
             assert self.transport is not None
             try:
-                return self._sender.send_all(begun.buckets, patches, self.transport,
-                                             begun.push_ids)
+                return self._sent(begun.buckets, *self._sender.send_all(
+                    begun.buckets, patches, self.transport, begun.push_ids,
+                    check=self._check), transport=self.transport)
             except Exception as e:
-                return [], ("push", f"{type(e).__name__}: {e}")
+                return Sent(error=("push", f"{type(e).__name__}: {e}"))
 
-    def _gather_and_send(self, model: nn.Module, begun: _Begun, plan: PushPlan
-                         ) -> tuple[list[int], Error | None]:
-        """Every rank gathers every tensor; rank 0 packs and sends them. An
-        error is returned, not raised, so rank 0 keeps taking part in every
-        gather; the commit step then agrees on it."""
+    def _sent(self, buckets: list[BucketManifest], checksums: list[int], err: Error | None,
+              transport: Transport | PeerSender, sender: int | None = None) -> Sent:
+        """What `send_all` returned, by bucket index (with its tags)."""
+        ours = [b.index for b in buckets if sender is None or b.source == sender]
+        macs = transport.bucket_macs
+        return Sent(dict(zip(ours, checksums, strict=False)),
+                    dict(zip(ours, macs.tags, strict=False)) if macs is not None else {}, err)
+
+    def _gather_and_send(self, model: nn.Module, begun: _Begun, plan: PushPlan) -> Sent:
+        """Every rank gathers every tensor; rank 0 packs and sends them, or,
+        with several senders, each rank its share (sending_ranks.py). An
+        error is returned, not raised, so every rank keeps taking part in
+        every gather; the commit step then agrees on it."""
+        if begun is not None and begun.senders > 1:  # (every rank's, agreed at begin)
+            return self._every_rank_sends(model, begun, plan)
         # Rank 0's setting for every rank: row blocks are collectives. Half a
         # bucket: rank 0 then holds two send buffers plus at most 0.75 bucket
         # of a gather (a block, or a whole gather of at most a quarter bucket).
@@ -292,7 +366,7 @@ class WeightPusher:
         buffers = plan.opening.buffers if self.rank == 0 and plan.sends_buffers else ()
         with drained(iter_full_tensors(model, c.device, buffers, block_bytes, only)) as gathers:
             if self.rank != 0:
-                return [], None  # `drained` runs every gather
+                return Sent()  # `drained` runs every gather
             assert self.transport is not None
             try:
                 if lora is not None:
@@ -300,15 +374,36 @@ class WeightPusher:
                 else:
                     merge = PeftMerge(model)
                     tensors = CheckpointLayout(merge.base_model).convert(merge.convert(gathers))
-                return self._sender.send_all(begun.buckets, tensors, self.transport,
-                                             begun.push_ids)
+                return self._sent(begun.buckets, *self._sender.send_all(
+                    begun.buckets, tensors, self.transport, begun.push_ids,
+                    check=self._check), transport=self.transport)
             except Exception as e:  # e.g. a layout conversion; agreed on at the commit
-                return [], ("push", f"{type(e).__name__}: {e}")
+                return Sent(error=("push", f"{type(e).__name__}: {e}"))
 
-    def _commit(self, begun: _Begun, checksums: list[int], err: Error | None,
-                restarted: bool) -> PushResult:
+    def _every_rank_sends(self, model: nn.Module, begun: _Begun, plan: PushPlan) -> Sent:
+        """Every rank gathers every tensor and packs and sends the buckets
+        its manifest entries name; rank 0 then has every rank's values and
+        first error (`gather_sent`). Only a dense push of the model's own
+        tensors comes here (`_senders`): no conversion to run."""
+        # Every rank holds the persistent buffers whole (neither FSDP shards
+        # them), and gathers every parameter whole: no row blocks, which reach
+        # rank 0 alone.
+        buffers = plan.opening.buffers if plan.sends_buffers else ()
+        sender: Transport | PeerSender = self.transport if self.rank == 0 else self._peer
+        assert sender is not None
+        with drained(iter_full_tensors(model, self.config.device, buffers)) as gathers:
+            try:
+                mine = self._sent(begun.buckets, *self._sender.send_all(
+                    begun.buckets, gathers, sender, begun.push_ids, sender=self.rank,
+                    check=self._check), transport=sender, sender=self.rank)
+            except Exception as e:
+                mine = Sent(error=("push", f"{type(e).__name__}: {e}"))
+        return gather_sent(self.rank, mine)
+
+    def _commit(self, begun: _Begun, sent: Sent, restarted: bool) -> PushResult:
         """Rank 0: abort on a send error, else prepare and commit everywhere."""
         two_phase = self._two_phase
+        err = sent.error
         if err is not None:
             kind, message = err
             if kind == "push":  # the data plane or a replica failed: say what each answered
@@ -317,8 +412,9 @@ class WeightPusher:
                 two_phase.abort(begun.push_ids, message)
             raise from_kind(kind, message)
         timeout_s = self._serving.commit_timeout_s
-        macs = self.transport.bucket_macs
-        tags = macs.tags if macs is not None else None
+        checksums = [sent.checksums[b.index] for b in begun.buckets]
+        tags = [sent.tags[b.index] for b in begun.buckets] \
+            if self.transport.bucket_macs is not None else None
         if len(begun.push_ids) == 1:  # one replica: check and commit in one call
             prepared = []
             committed, outcomes = two_phase.commit(begun.push_ids, timeout_s, checksums, tags)
@@ -338,7 +434,7 @@ class WeightPusher:
         is left to interpreter exit, where a gloo thread can abort the
         process. Idempotent; a pusher never closed is closed once collected,
         or at interpreter exit (release.py)."""
-        close_parts(self.transport, self.replicas, self._sender)
+        close_parts(self.transport, self.replicas, self._sender, self._peer)
 
     def __enter__(self) -> WeightPusher:
         return self

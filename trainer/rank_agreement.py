@@ -18,7 +18,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from rollout_sidecar.trainer.collectives import broadcast_object, device, settled
+from rollout_sidecar.trainer.collectives import (
+    all_gather_object,
+    broadcast_object,
+    device,
+    settled,
+)
 from rollout_sidecar.trainer.errors import WeightPushError, from_kind, kind_of
 
 T = TypeVar("T")
@@ -26,6 +31,10 @@ T = TypeVar("T")
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _single() -> bool:
@@ -58,6 +67,13 @@ def broadcast(obj: T) -> T:
     if _single():
         return obj
     return broadcast_object(obj, src=0)
+
+
+def all_ranks(obj: T) -> list[T]:
+    """Every rank's `obj` (pickled: keep it small), in rank order, on every rank."""
+    if _single():
+        return [obj]
+    return all_gather_object(obj)
 
 
 def any_rank(flag: bool) -> bool:

@@ -31,12 +31,14 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def close_parts(transport: Any, replicas: Any, sender: Any) -> None:
+def close_parts(transport: Any, replicas: Any, sender: Any, peer: Any = None) -> None:
     """Release the connection on every replica and end our side of the data
-    plane (transport), close the HTTP clients, free the send buffers. Each
-    part is closed whatever the one before did; the first error is raised."""
+    plane (transport; a peer rank's group), close the HTTP clients, free the
+    send buffers. Each part is closed whatever the one before did; the first
+    error is raised."""
     first: Exception | None = None
-    for part, how in ((transport, "close"), (replicas, "close"), (sender, "release")):
+    for part, how in ((transport, "close"), (peer, "close"), (replicas, "close"),
+                      (sender, "release")):
         if part is None:
             continue
         try:
@@ -47,9 +49,9 @@ def close_parts(transport: Any, replicas: Any, sender: Any) -> None:
         raise first
 
 
-def _close_now(transport: Any, replicas: Any, sender: Any) -> None:
+def _close_now(transport: Any, replicas: Any, sender: Any, peer: Any = None) -> None:
     try:
-        close_parts(transport, replicas, sender)
+        close_parts(transport, replicas, sender, peer)
     except Exception as e:  # unasked: say so, never raise
         log.warning("closing a weight pusher nobody closed: %s: %s", type(e).__name__, e)
 
@@ -60,18 +62,18 @@ def _at_exit() -> bool:
     return not threading.main_thread().is_alive() or sys.is_finalizing()
 
 
-def _close_unclosed(transport: Any, replicas: Any, sender: Any) -> None:
+def _close_unclosed(transport: Any, replicas: Any, sender: Any, peer: Any = None) -> None:
     if not _at_exit():
         try:
-            threading.Thread(target=_close_now, args=(transport, replicas, sender),
+            threading.Thread(target=_close_now, args=(transport, replicas, sender, peer),
                              name="rollout-sidecar-close-unclosed-pusher").start()
             return
         except RuntimeError:  # no new threads once the interpreter is shutting down
             pass
-    _close_now(transport, replicas, sender)
+    _close_now(transport, replicas, sender, peer)
 
 
-def close_when_gone(owner: object, transport: Any, replicas: Any, sender: Any
-                    ) -> weakref.finalize:
+def close_when_gone(owner: object, transport: Any, replicas: Any, sender: Any,
+                    peer: Any = None) -> weakref.finalize:
     """Close these parts once `owner` is collected, or at interpreter exit."""
-    return weakref.finalize(owner, _close_unclosed, transport, replicas, sender)
+    return weakref.finalize(owner, _close_unclosed, transport, replicas, sender, peer)

@@ -38,12 +38,13 @@ class TwoPhaseCommit:
 
     def begin(self, version: int, manifest: list[dict], commit_policy: CommitPolicy | None,
               budget_s: float, delta_base: int | None = None,
-              adapter: dict | None = None) -> list[str]:
+              adapter: dict | None = None, check: str = "crc32") -> list[str]:
         """Begin on every replica; if any fails, abort on the others and
         raise before a byte is sent."""
         rs, tr = self.replicas, self.transport
         begun = rs.each(lambda a, i: a.begin(version, tr.name, manifest, tr.connection_id,
-                                             commit_policy, budget_s, delta_base, adapter))
+                                             commit_policy, budget_s, delta_base, adapter,
+                                             check))
         if bad := failures(begun):
             ids = [None if isinstance(r, Exception) else r.push_id for r in begun]
             self.abort(ids, "another replica failed the push at begin")

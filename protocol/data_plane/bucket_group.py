@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -157,36 +158,52 @@ def _pieces(buf: Any) -> list[Any]:
     return [buf[i: i + CHAIN_CHUNK_BYTES] for i in range(0, buf.numel(), CHAIN_CHUNK_BYTES)]
 
 
-def send_bucket(group: DataPlaneGroup, buf: Any, fanout: Fanout) -> _Works:
-    """Rank 0: start sending one bucket (a flat uint8 tensor); returns what
-    to wait on before the buffer is reused."""
+def send_bucket(group: DataPlaneGroup, buf: Any, fanout: Fanout,
+                first_receiver: int = SENDER_RANK + 1) -> _Works:
+    """A sender: start sending one bucket (a flat uint8 tensor); returns what
+    to wait on before the buffer is reused. In a chain it goes, in pieces, to
+    the first receiver: the rank after the trainer's senders."""
     if fanout == "broadcast":
         return group.broadcast(buf)
-    sends = [group.send(p, SENDER_RANK + 1) for p in _pieces(buf)]
+    sends = [group.send(p, first_receiver) for p in _pieces(buf)]
     return _Works([w for s in sends for w in s.works], group.op_timeout)
 
 
-def receive_bucket(group: DataPlaneGroup, buf: Any, rank: int, world_size: int, fanout: Fanout,
-                   on_piece: Callable[[Any], None] | None = None) -> None:
-    """A receiver: fill `buf` (and, in a chain, pass it on); blocks until the
-    bucket is here and forwarded. `on_piece` sees each piece as it lands,
-    while the next one arrives (a chain) or the whole bucket (a broadcast)."""
-    if fanout == "broadcast":
-        group.broadcast(buf).wait()
-        if on_piece is not None:
-            on_piece(buf)
-        return
-    pieces = _pieces(buf)
+def receive_broadcast_bucket(group: DataPlaneGroup, buf: Any) -> None:
+    """A receiver of a broadcast (one sender, rank 0): blocks until `buf` is here."""
+    group.broadcast(buf).wait()
+
+
+def relay_buckets(group: DataPlaneGroup, buckets: Sequence[tuple[Any, int]], rank: int,
+                  world_size: int, window: int = 1,
+                  on_piece: Callable[[int, Any], None] | None = None) -> None:
+    """A receiver in a chain: fill each `(buffer, source rank)` in order, piece
+    by piece, passing each piece on to the next rank as it lands; blocks until
+    every bucket is here and forwarded. Up to `window` buckets' pieces are
+    posted at once: with several senders (each bucket from the one its
+    manifest names) they all transmit side by side instead of taking turns.
+    gloo matches a pair's messages in the order they were posted, so the next
+    rank, which posts in the same order, gets each piece where it belongs.
+    `on_piece(k, piece)` sees bucket k's pieces in order, while later ones
+    arrive."""
     forward = rank + 1 < world_size
-    sends = []
-    arriving = group.recv(pieces[0], rank - 1) if pieces else None
-    for k, piece in enumerate(pieces):
-        arriving.wait()
-        if k + 1 < len(pieces):  # posted before forwarding: the link never idles
-            arriving = group.recv(pieces[k + 1], rank - 1)
-        if forward:
-            sends.append(group.send(piece, rank + 1))
-        if on_piece is not None:
-            on_piece(piece)
-    for w in sends:
+    posted: deque[list[tuple[Any, _Works]]] = deque()
+    forwarding: list[_Works] = []  # the previous bucket's sends on to rank + 1
+    following = 0  # the next bucket to post
+    for k in range(len(buckets)):
+        while following < len(buckets) and following < k + max(window, 1):
+            buf, source = buckets[following]
+            posted.append([(p, group.recv(p, source)) for p in _pieces(buf)])
+            following += 1
+        sends = []
+        for piece, arriving in posted.popleft():
+            arriving.wait()
+            if forward:
+                sends.append(group.send(piece, rank + 1))
+            if on_piece is not None:
+                on_piece(k, piece)
+        for w in forwarding:  # long done: the next rank took it while this one arrived
+            w.wait()
+        forwarding = sends
+    for w in forwarding:
         w.wait()

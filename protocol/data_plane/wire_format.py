@@ -1,4 +1,5 @@
-"""The torch side of the manifest: dtype names, CRC-32 and views of a slot.
+"""The torch side of the manifest: dtype names and views of a slot (a
+bucket's check is bucket_check.py).
 
 Trainer and server both import it (they have torch); the client never does.
 One table maps the manifest's dtype names to torch dtypes, so both sides read
@@ -8,7 +9,6 @@ the same bytes the same way.
 from __future__ import annotations
 
 import functools
-import zlib
 
 import torch
 
@@ -27,12 +27,6 @@ def torch_dtype(name: str) -> torch.dtype:
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` -> `"bfloat16"`: the manifest's and /info's spelling."""
     return str(dtype).removeprefix("torch.")
-
-
-def crc32(buf: torch.Tensor, running: int = 0) -> int:
-    """CRC-32 of a contiguous uint8 tensor (copied to the host if it is not
-    there; zlib releases the GIL); `running`: the CRC of the bytes before it."""
-    return zlib.crc32(memoryview((buf if buf.is_cpu else buf.cpu()).numpy()), running)
 
 
 def slot_bytes(bucket: torch.Tensor, slot: TensorSlot) -> torch.Tensor:

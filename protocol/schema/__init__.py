@@ -19,10 +19,14 @@ from rollout_sidecar.protocol.schema.generate_api import (
     VersionSpan,
 )
 from rollout_sidecar.protocol.schema.weights_api import (
+    CAPABILITIES,
+    CHECK_SUM64,
+    SENDERS,
     AbortRequest,
     BeginRequest,
     BeginResponse,
     BucketManifest,
+    Check,
     CommitRequest,
     CommitResponse,
     ConnectRequest,
@@ -35,6 +39,7 @@ from rollout_sidecar.protocol.schema.weights_api import (
     PrepareResponse,
     ProbeRequest,
     ProbeResult,
+    StagedCopy,
     TensorInfo,
     TensorSlot,
     Transport,
@@ -43,11 +48,12 @@ from rollout_sidecar.protocol.schema.weights_api import (
 )
 
 __all__ = [
+    "CAPABILITIES", "CHECK_SUM64", "SENDERS",
     "AbortRequest", "AdapterSpec", "BeginRequest", "BeginResponse", "BucketManifest",
-    "CommitPolicy", "CommitRequest", "CommitResponse", "ConnectRequest", "ConnectResponse",
+    "Check", "CommitPolicy", "CommitRequest", "CommitResponse", "ConnectRequest", "ConnectResponse",
     "DisconnectRequest", "DisconnectResponse", "ErrorItem", "ErrorResponse", "FinishReason",
     "GenerateRequest", "GenerateResponse", "HealthResponse", "InfoResponse", "LastPush",
     "LoraStatus", "PatchInfo", "PrepareRequest", "PrepareResponse", "ProbeRequest",
-    "ProbeResult", "PromptResult", "Sample", "SamplingConfig", "TensorInfo", "TensorSlot",
-    "Transport", "Usage", "VersionSpan", "WeightIndex", "WeightStatus",
+    "ProbeResult", "PromptResult", "Sample", "SamplingConfig", "StagedCopy", "TensorInfo",
+    "TensorSlot", "Transport", "Usage", "VersionSpan", "WeightIndex", "WeightStatus",
 ]

@@ -23,6 +23,7 @@ from rollout_sidecar.protocol.schema.fields import (
     CommitPolicy,
     Float,
     Int,
+    NonNegative,
     Port,
     Positive,
     ReplyModel,
@@ -34,6 +35,12 @@ from rollout_sidecar.protocol.transports import TRANSPORTS
 
 # The names of protocol/transports.py's table: a new row is a new wire name.
 Transport = Literal[tuple(TRANSPORTS)]  # type: ignore[valid-type]
+# A bucket's integrity check (protocol/data_plane/bucket_check.py computes them).
+Check = Literal["crc32", "sum64"]
+# What a server takes beyond the first protocol (`WeightStatus.capabilities`).
+SENDERS = "senders"  # buckets from several trainer ranks (`ConnectRequest.senders`)
+CHECK_SUM64 = "check:sum64"  # `BeginRequest.check` "sum64"
+CAPABILITIES = (SENDERS, CHECK_SUM64)
 Mac = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # bucket_mac.py's tag
 _HEX_SECRET = re.compile(r"(?:[0-9a-fA-F]{2})+")
 
@@ -138,6 +145,16 @@ class BucketManifest(StrictModel):
     index: Int
     nbytes: Int
     params: list[TensorSlot]
+    sender: NonNegative | None = Field(
+        None, json_schema_extra=not_null,
+        description="gloo/NCCL: the trainer's data-plane rank that sends this bucket, below "
+        "the connection's `senders`. Absent: rank 0, the one sender of a trainer that "
+        "predates every-rank sending.")
+
+    @property
+    def source(self) -> int:
+        """The data-plane rank this bucket comes from."""
+        return self.sender or 0
 
 
 class ConnectRequest(StrictModel):
@@ -157,10 +174,14 @@ class ConnectRequest(StrictModel):
         None, max_length=128, description="The pusher's id: the trainer that owns the data "
         "plane may replace its own connection within the lease (to bring a restarted replica "
         "back into the group).")
-    world_size: Int = Field(2, ge=2, le=65536, description="Ranks in the group: the trainer "
-                            "(rank 0) plus every worker of every replica.")
+    world_size: Int = Field(2, ge=2, le=65536, description="Ranks in the group: the trainer's "
+                            "`senders` plus every worker of every replica.")
     rank_offset: Int = Field(1, ge=1, description="This server's first worker rank; its "
                              "workers take rank_offset .. rank_offset + data_plane_ranks - 1.")
+    senders: Int = Field(1, ge=1, le=65536, description="Trainer ranks in the group, ranks "
+                         "0 .. senders - 1: each bucket comes from the one its manifest names "
+                         "(`BucketManifest.sender`). More than one needs `fanout` chain and "
+                         "the capability `senders` (`WeightStatus.capabilities`).")
     store_host: str | None = Field(None, max_length=255, description="Rendezvous store host "
                                    "(another replica's data plane); default: this server's.")
     store_port: Port | None = Field(None, description="Rendezvous store port; default: this "
@@ -235,6 +256,11 @@ class BeginRequest(StrictModel):
         description="A LoRA adapter push (adapter_api.py): the slots are adapter factors, "
         "with every checkpoint tensor too when `adapter.base_version` is absent. Needs a "
         "server started with --enable-lora (`WeightStatus.lora`).")
+    check: Check = Field(
+        "crc32", description="What each bucket's checksum is (protocol/data_plane/"
+        "bucket_check.py): `crc32` of the bytes (every trainer; the default), or `sum64`, "
+        "computed where the bucket lives, in GPU memory for NCCL (gloo/NCCL only; the "
+        "capability `check:sum64`).")
 
     @property
     def adapter_only(self) -> bool:
@@ -259,7 +285,8 @@ class PrepareRequest(StrictModel):
     """Phase 1 of a commit across replicas: every bucket arrived and matches."""
 
     push_id: str
-    checksums: list[Int] = Field(description="CRC-32 of each bucket's bytes, in order.")
+    checksums: list[Int] = Field(description="Each bucket's check value (the push's `check`: "
+                                 "CRC-32 by default), in order.")
     macs: list[Mac] | None = Field(
         None, json_schema_extra=not_null, description="Keyed BLAKE2b-128 of each bucket "
         "(hex, in order), bound to the connection, the version and the bucket's index: "
@@ -367,6 +394,10 @@ class WeightStatus(ReplyModel):
         "one copy per host in /dev/shm (its first worker receives) or one per worker, and "
         "why (docs/deploy.md, \"Sizing /dev/shm\").")
     transports: list[str]
+    capabilities: list[str] = Field(
+        default_factory=list, description="What this server takes beyond the first protocol, "
+        "for a trainer to ask before it uses it: `senders` (buckets from several trainer "
+        "ranks, `ConnectRequest.senders`), `check:sum64` (`BeginRequest.check`).")
     push_timeout_s: float = Field(description="The deadline of one push, begin to commit.")
     commit_drain_s: float = Field(description="Longest wait for in-flight requests at a commit.")
     broken: str | None = Field(None, description="Set after a load failed mid-commit: "
@@ -383,7 +414,20 @@ class WeightStatus(ReplyModel):
     lora: LoraStatus | None = Field(
         None, description="LoRA adapter pushes: null unless the server was started with "
         "--enable-lora.")
+    catch_up: dict[str, float | int | str] | None = Field(
+        None, description="This replica's catch-up from a peer at start (--peers): the peer, "
+        "the version, seconds from the catch-up's start to finding it, receiving it and "
+        "committing it, or why it did not happen. Null without peers.")
     staged_bytes: int | None = Field(
         None, description="Bytes of staging buffers all of this server's workers held when "
         "the last push ended (the staged copy a delta applies to, plus pooled buffers; "
         "docs/gpu.md gives the formula). Null before the first push.")
+
+
+class StagedCopy(BaseModel):
+    """`GET /weights/staged`: the version this replica's staged copy holds bit
+    for bit and its buckets, for a replica catching up from it (each bucket's
+    bytes at `GET /weights/staged/{index}`)."""
+
+    version: int
+    buckets: list[BucketManifest]

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from rollout_sidecar.protocol.schema import (
+    BucketManifest,
     ConnectRequest,
     ConnectResponse,
     DisconnectRequest,
@@ -72,6 +73,7 @@ class TrainerLease:
     # trainer silent for longer is stalled by its own measure, so its lease
     # ends then even when `connection_lease_s` is longer.
     stall_s: float | None = None
+    senders: int = 1  # trainer ranks in the group (ConnectRequest.senders)
 
     def lease_s(self, setting: float) -> float:
         return setting if self.stall_s is None else min(setting, self.stall_s)
@@ -136,6 +138,13 @@ class DataPlane:
             transport(req.backend).check_fanout(req.fanout)
         except ValueError as e:
             raise BadRequest(str(e), "fanout") from None
+        if req.senders > 1 and req.fanout != "chain":
+            raise BadRequest(f"senders {req.senders}: several trainer ranks send point to point, "
+                             "down a chain (fanout chain, gloo); a broadcast would carry every "
+                             "bucket to every sender too", "senders")
+        if req.rank_offset < req.senders:
+            raise BadRequest(f"rank_offset {req.rank_offset}: ranks 0 .. {req.senders - 1} are "
+                             "the trainer's senders", "rank_offset")
         if req.rank_offset + workers > req.world_size:
             raise BadRequest(f"rank_offset {req.rank_offset} + this server's {workers} "
                              f"data-plane ranks exceed world_size {req.world_size}",
@@ -157,7 +166,7 @@ class DataPlane:
             store_port=req.store_port or self.port,
             connection_id=req.connection_id, backend=req.backend, timeout_s=timeout,
             op_timeout_s=req.op_timeout_s,
-            world_size=req.world_size, rank_offset=req.rank_offset,
+            world_size=req.world_size, rank_offset=req.rank_offset, senders=req.senders,
             staging=self.settings.weight_staging, fanout=req.fanout,
             # Hex, to the workers only (StagedInitInfo keeps it out of its repr);
             # nothing logs this payload.
@@ -191,7 +200,7 @@ class DataPlane:
         self.owner = TrainerLease(req.connection_id, req.backend, time.monotonic(),
                                 req.trainer_id,
                                 authenticated=req.secret is not None and req.bucket_macs,
-                                stall_s=req.op_timeout_s)
+                                stall_s=req.op_timeout_s, senders=req.senders)
         return ConnectResponse(connection_id=req.connection_id, backend=req.backend)
 
     def check_owner(self, connection_id: str | None) -> None:
@@ -205,6 +214,15 @@ class DataPlane:
                                "this server")
         raise PushConflict(f"connection {connection_id} is not connected (the server holds "
                            f"{self.owner.id if self.owner else 'none'}): POST /weights/connect")
+
+    def check_senders(self, buckets: list[BucketManifest]) -> None:
+        """Every bucket names a sender of the connection (after check_owner)."""
+        senders = self.owner.senders if self.owner is not None else 1
+        for b in buckets:
+            if b.source >= senders:
+                raise BadRequest(f"buckets[{b.index}].sender {b.source}: the connection has "
+                                 f"{senders} sender{'s' if senders > 1 else ''} (ranks 0 .. "
+                                 f"{senders - 1})", "buckets")
 
     def authenticated(self, connection_id: str | None) -> bool:
         """Whether the connection came with a secret (its buckets carry tags)."""

@@ -46,6 +46,7 @@ class SideOp(str, Enum):
     RELABEL = "relabel"  # an unchanged push: the staged copy of `base` is `version` too
     HOST = "host"  # what the worker sees of its host: /dev/shm, room there (at start)
     LAYOUT = "layout"  # its role in the staging layout (server/weights/staging_layout.py)
+    READ = "read"  # the staged copy's manifest, or one bucket's bytes (a peer catching up)
 
 
 class WorkerCallFailed(RuntimeError):

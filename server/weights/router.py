@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header, Request, Response
 
 from rollout_sidecar.protocol.schema import (
     AbortRequest,
@@ -19,10 +19,13 @@ from rollout_sidecar.protocol.schema import (
     PrepareResponse,
     ProbeRequest,
     ProbeResult,
+    StagedCopy,
     WeightIndex,
     WeightStatus,
 )
 from rollout_sidecar.server.auth import require_admin_token
+from rollout_sidecar.server.errors import BadRequest
+from rollout_sidecar.server.weights.peer_copy import bucket_headers
 
 router = APIRouter(prefix="/weights", dependencies=[Depends(require_admin_token)])
 
@@ -95,3 +98,20 @@ async def commit(body: CommitRequest, request: Request) -> CommitResponse:
 async def abort(body: AbortRequest, request: Request) -> LastPush:
     """End a push that has not started committing; aborting it twice is fine."""
     return await _svc(request).abort(body.push_id, body.reason)
+
+
+@router.get("/staged", response_model=StagedCopy)
+async def staged(request: Request) -> StagedCopy:
+    """The version this replica's staged copy holds and its buckets: what a
+    replica starting with `--peers` catches up from (peer_copy.py)."""
+    return await _svc(request).peer_copy.manifest()
+
+
+@router.get("/staged/{index}")
+async def staged_bucket(index: int, request: Request) -> Response:
+    """One bucket of the staged copy, its version and CRC-32 in headers."""
+    if index < 0:
+        raise BadRequest(f"index {index}: a bucket index is >= 0", "index")
+    version, data = await _svc(request).peer_copy.bucket(index)
+    return Response(data, media_type="application/octet-stream",
+                    headers=bucket_headers(version, data))

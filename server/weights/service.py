@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rollout_sidecar.protocol.data_plane.bucket_check import crc32_of_bytes
 from rollout_sidecar.protocol.schema import (
+    CAPABILITIES,
     BeginRequest,
     BeginResponse,
     CommitRequest,
@@ -46,6 +47,7 @@ from rollout_sidecar.server.weights import ops, rendezvous_address, staging_layo
 from rollout_sidecar.server.weights.commit import CommitPhases
 from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.manifest_check import check_manifest
+from rollout_sidecar.server.weights.peer_copy import PeerCopy
 from rollout_sidecar.server.weights.probe_scoring import ProbeScorer
 from rollout_sidecar.server.weights.push_session import Push, PushSession, PushState
 from rollout_sidecar.server.weights.receivers import offered, receiver
@@ -78,11 +80,12 @@ class WeightService:
         self.commits = CommitPhases(engine, settings, metrics, self.plane, self.session)
         self.watchdog = PushWatchdog(self.session, self.plane, settings)
         self.probes = ProbeScorer(engine.gate, scorer, metrics)
+        self.peer_copy = PeerCopy(self)  # catching up from a peer, or a peer's copy read
         # The gate refuses a min_weight_version at once when no push could bring it.
         engine.gate.push_pending = self._push_pending
 
     def _push_pending(self) -> bool:
-        return self.session.current is not None
+        return self.session.current is not None or self.peer_copy.running
 
     @property
     def llm(self) -> Any:
@@ -137,12 +140,13 @@ class WeightService:
             connected=self.plane.owner.id if self.plane.owner else None,
             data_plane_port=self.plane.port, data_plane_ranks=self.plane.ranks,
             staging_layout=self.layout.describe() if self.layout else None,
-            transports=transports(),
+            transports=transports(), capabilities=list(CAPABILITIES),
             push_timeout_s=self.settings.push_timeout_s,
             commit_drain_s=self.settings.commit_drain_s, last_push=self.session.last,
             last_probe=self.last_probe, suspect=gate.suspect.get(gate.version),
             broken=gate.broken, delta_base=self.commits.delta_base,
-            lora=self.engine.adapters.status(), staged_bytes=self.commits.staged_bytes)
+            lora=self.engine.adapters.status(), staged_bytes=self.commits.staged_bytes,
+            catch_up=dict(self.peer_copy.timeline) or None)
 
     def index(self) -> WeightIndex:
         idx, serve = self.engine.index, self.engine.info.dtype
@@ -189,6 +193,17 @@ class WeightService:
             return await self.plane.disconnect(req, busy)
 
     async def begin(self, req: BeginRequest) -> BeginResponse:
+        """A trainer's begin: after this replica's catch-up from a peer, if
+        one is running (peer_copy.py), so the push is ordered after it."""
+        if self.peer_copy.running:
+            try:
+                await asyncio.wait_for(self.peer_copy.done.wait(),
+                                       self.settings.catch_up_timeout_s)
+            except TimeoutError:
+                raise PushConflict("this replica is still catching up from a peer") from None
+        return await self.begin_now(req)
+
+    async def begin_now(self, req: BeginRequest) -> BeginResponse:
         async with self.session.lock:
             if (p := self.session.current) is not None:
                 raise PushConflict(f"push {p.push_id} (version {p.req.version}) is "
@@ -198,6 +213,10 @@ class WeightService:
                                    f"version {self.engine.gate.version}")
             if receiver(req.transport).joins_group:
                 self.plane.check_owner(req.connection_id)
+                self.plane.check_senders(req.buckets)
+            elif req.check != "crc32":  # an HTTP body is checked here, as it comes
+                raise BadRequest(f"check {req.check}: the http transport's bodies are checked "
+                                 "with crc32", "check")
             self._check_adapter(req)
             check_manifest(req, self.engine.index, self.engine.info.dtype,
                            self.settings.max_lora_rank)
@@ -215,7 +234,8 @@ class WeightService:
                     await ops.send(self.llm, receiver(req.transport).opens_with(
                         manifest=[b.model_dump() for b in req.buckets], version=req.version,
                         delta_base=req.delta_base,
-                        adapter=req.adapter.model_dump() if req.adapter else None))
+                        adapter=req.adapter.model_dump() if req.adapter else None,
+                        check=req.check))
             except Exception as e:
                 await self.commits.end_session()  # on the ranks where it opened
                 self.commits.delta_base = None  # the workers may disagree: start over dense
@@ -248,7 +268,7 @@ class WeightService:
             if push.distributed:
                 raise PushConflict("this push uses the distributed data plane, not HTTP")
             # Off the event loop: a 256 MiB bucket takes ~60 ms to checksum.
-            if await asyncio.to_thread(zlib.crc32, data) != checksum:
+            if await asyncio.to_thread(crc32_of_bytes, data) != checksum:
                 await self.session.fail(push, f"bucket {index} checksum mismatch over HTTP")
                 raise PushConflict(f"bucket {index} checksum mismatch; push {push_id} failed")
             try:

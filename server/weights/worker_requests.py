@@ -26,6 +26,7 @@ class OpenPush:
     version: int
     delta_base: int | None = None  # a delta push's base (patching.py)
     adapter: dict | None = None  # a LoRA adapter push's AdapterSpec
+    check: str = "crc32"  # what each bucket's checksum is (bucket_check.py)
 
     def buckets(self) -> list[BucketManifest]:
         return [BucketManifest.model_validate(b) for b in self.manifest]
@@ -113,12 +114,23 @@ class Layout:
     boot_id: str
 
 
+@dataclass(frozen=True)
+class Read:
+    """A replica catching up from this one (catch_up.py): the staged copy's
+    version and manifest (`bucket` None), or one bucket's bytes. Answered by
+    worker rank 0, which holds the whole copy (or, sharing one per host, leads)."""
+
+    op: ClassVar[SideOp] = SideOp.READ
+    bucket: int | None = None
+
+
 WorkerRequest = Allocate | Receive | Stage | Check | Patch | Load
-SideRequest = Relabel | Layout
+SideRequest = Relabel | Layout | Read
 Request = WorkerRequest | SideRequest
 
 REQUESTS: dict[WorkerOp | SideOp, type[Request]] = {
-    cls.op: cls for cls in (Allocate, Receive, Stage, Check, Patch, Load, Relabel, Layout)}
+    cls.op: cls for cls in (Allocate, Receive, Stage, Check, Patch, Load, Relabel, Layout,
+                            Read)}
 
 
 def payload(request: Request) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Modes: fsdp2, fsdp1, plain, http (fsdp2 over the HTTP transport), split
 (fsdp2 with a bucket smaller than the embedding: big tensors travel in
-chunks), meta, bad_shape, bad_checksum, kill (rank 0 dies mid-push),
+chunks), meta, bad_shape, bad_checksum, rank1_fails (rank 1 cannot send its
+share), kill (the rank that sends bucket 2 dies mid-push),
 kill_replica (rank 0 SIGKILLs the server $KILL_REPLICA_PID mid-push). Rank 0
 writes a JSON report to --out; the pytest side asserts on it. --url may list
 several replicas (comma-separated): all are pushed to, and each is sampled
@@ -29,7 +30,7 @@ def build(model_path: str, mode: str) -> torch.nn.Module:
     from tests.fidelity.fidelity_worker import build as wrap
 
     sharded = ("fsdp2", "http", "split", "bad_shape", "bad_checksum", "kill", "meta",
-               "kill_replica")
+               "kill_replica", "rank1_fails")
     return wrap(model_path, "fsdp2" if mode in sharded else mode)
 
 
@@ -101,13 +102,16 @@ def body(args: argparse.Namespace, rank: int) -> dict:
             _break_manifest(pusher)
         # The faults mid-push, at the trainer's failpoint (protocol/failpoints.py).
         send_fault = {"bad_checksum": _flip_on_the_wire, "kill": _die_at_bucket_2,
+                      "rank1_fails": _rank_1_fails,
                       "kill_replica": _kill_replica_at_bucket_2}.get(args.mode)
         killed: dict = {}
         try:
             with (armed("push.send", functools.partial(send_fault, killed=killed))
                   if send_fault else contextlib.nullcontext()):
                 res = pusher.push(model, version=args.version)
-            report.update(error=None, timings=res.timings, nbytes=res.nbytes)
+            report.update(error=None, timings=res.timings, nbytes=res.nbytes,
+                          senders=res.senders, senders_reason=res.senders_reason,
+                          check=res.check)
         except WeightPushError as e:
             report["error"] = str(e)
             if "at" in killed:
@@ -193,6 +197,14 @@ def _kill_replica_at_bucket_2(index, buf, killed, rank=None):
     if index == 2:
         os.kill(int(os.environ["KILL_REPLICA_PID"]), signal.SIGKILL)
         killed["at"] = time.monotonic()  # the report's time to error starts here
+
+
+def _rank_1_fails(index, buf, killed, rank=None):
+    """Trainer rank 1 cannot send its first bucket (every rank sends its share)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise OSError("failpoint: rank 1's link is down")
 
 
 def _die_at_bucket_2(index, buf, killed, rank=None):

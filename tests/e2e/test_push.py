@@ -61,16 +61,21 @@ def test_push_serves_the_stepped_weights(server, tmp_path, mode):
     v = version(server)
     _, report = run_worker(server, mode, v + 1, tmp_path)
     assert_pushed(report, v)
+    # Both trainer ranks sent their share over gloo; HTTP is rank 0's alone.
+    assert report["senders"] == (1 if mode == "http" else 2), report
+    assert (report["senders_reason"] is None) == (mode != "http"), report
+    assert report["check"] == "crc32"
     if mode == "split":  # a 0.1 MiB bucket: the embedding and lm_head went in chunks
         assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(report["split"]), report
         assert report["max_bucket_bytes"] <= int(0.1 * 2**20)
 
 
-@pytest.mark.parametrize("mode, reason", [("bad_shape", "shape"), ("bad_checksum", "checksum")])
+@pytest.mark.parametrize("mode, reason", [("bad_shape", "shape"), ("bad_checksum", "checksum"),
+                                          ("rank1_fails", "trainer rank 1: sending bucket")])
 def test_rejected_push_keeps_old_version(server, tmp_path, mode, reason):
     v = version(server)
-    _, report = run_worker(server, mode, v + 1, tmp_path)
-    assert reason in report["error"]
+    proc, report = run_worker(server, mode, v + 1, tmp_path)
+    assert reason in (report["error"] or ""), (report, proc.stderr[-4000:])
     assert report["version_after"] == v  # the old weights kept serving
     status = httpx.get(server.url + "/weights/status",
                        headers={"Authorization": f"Bearer {server.admin_token}"}).json()

@@ -50,8 +50,9 @@ class CapturingServer:
     def begin(self, version: int, transport: str, buckets: list[dict],
               connection_id: str | None, commit_policy: str | None,
               budget_s: float = 300.0, delta_base: int | None = None,
-              adapter: dict | None = None) -> BeginResponse:
+              adapter: dict | None = None, check: str = "crc32") -> BeginResponse:
         assert delta_base is None and adapter is None, "the fake takes dense pushes only"
+        assert check == "crc32", "the fake takes HTTP pushes: CRC-32 bodies"
         self.manifest = buckets
         return BeginResponse(push_id="p", deadline_s=60, commit_policy="wait")
 

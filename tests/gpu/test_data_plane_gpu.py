@@ -129,7 +129,7 @@ def _worker(port: int, out: mp.Queue, group_0: bool = False, old_way: bool = Fal
     _as_host("worker")
     from rollout_sidecar.protocol.data_plane.bucket_group import broadcast_group
     from rollout_sidecar.server.weights.worker.bucket_receive import (
-        Receive,
+        ReceiveThread,
         receive_broadcast,
         use_device,
     )
@@ -175,7 +175,7 @@ def _worker(port: int, out: mp.Queue, group_0: bool = False, old_way: bool = Fal
                                                        pin_memory=True)) for i in range(2)]
     seen: dict = {}
 
-    def run(rx: Receive) -> None:
+    def run(rx: ReceiveThread) -> None:
         seen["default"] = torch.cuda.current_device()  # a new thread's: 0
         try:
             receive_broadcast(rx.group, buckets, "nccl", device, None)
@@ -183,7 +183,7 @@ def _worker(port: int, out: mp.Queue, group_0: bool = False, old_way: bool = Fal
             seen["device"] = torch.cuda.current_device()
 
     t0 = time.monotonic()
-    rx = Receive(group, run)
+    rx = ReceiveThread(group, run)
     rx.start()
     rx.join(DEADLINE_S - 20)
     failed_after = time.monotonic() - t0
@@ -316,7 +316,7 @@ def test_device_staging_checksums_each_bucket_in_the_receive_thread(monkeypatch)
         threading.current_thread().name) or real(data, *a))
     buckets = [StagedBucket(i, BUCKET, [], torch.empty(BUCKET, dtype=torch.uint8,
                                                        device="cuda:0")) for i in range(3)]
-    rx = bucket_receive.Receive(_LoopbackGroup(), lambda rx: bucket_receive.receive_broadcast(
+    rx = bucket_receive.ReceiveThread(_LoopbackGroup(), lambda rx: bucket_receive.receive_broadcast(
         rx.group, buckets, "nccl", torch.device("cuda", 0), None))
     rx.start()
     rx.join(60)
@@ -324,6 +324,27 @@ def test_device_staging_checksums_each_bucket_in_the_receive_thread(monkeypatch)
     for i, b in enumerate(buckets):  # computed as it landed, from the device bytes
         assert b.checksum == zlib.crc32(bytes([i + 1]) * BUCKET)
     assert threads == {"rollout-sidecar-recv"}
+
+
+def test_device_staging_under_sum64_checks_on_the_device_with_no_host_copy(monkeypatch):
+    from rollout_sidecar.protocol.data_plane.bucket_check import sum64
+    from rollout_sidecar.server.weights.worker import bucket_receive
+    from rollout_sidecar.server.weights.worker.staging import StagedBucket
+
+    pinned = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: pinned.append(k) or real_empty(*a, **k)
+                        if k.get("pin_memory") else real_empty(*a, **k))
+    buckets = [StagedBucket(i, BUCKET, [], real_empty(BUCKET, dtype=torch.uint8,
+                                                      device="cuda:0")) for i in range(3)]
+    rx = bucket_receive.ReceiveThread(_LoopbackGroup(), lambda rx: bucket_receive.receive_broadcast(
+        rx.group, buckets, "nccl", torch.device("cuda", 0), None, "sum64"))
+    rx.start()
+    rx.join(60)
+    assert rx.error is None
+    for i, b in enumerate(buckets):
+        assert b.checksum == sum64(torch.full((BUCKET,), i + 1, dtype=torch.uint8))
+    assert pinned == []  # no host copy to read: the check ran where the bytes are
 
 
 def _refused_trainer(port: int, out: mp.Queue) -> None:

@@ -412,8 +412,20 @@ def test_network_policy_admits_trainers_and_peers_to_data_plane_only(
     assert rules["data-plane"] == rules[port_range] == [trainer, peer]
     # The range the policy admits is the range the kernel hands out in the server pods.
     assert port_range_sysctl(pod["spec"]) == port_range
-    # HTTP: trainers and the configured clients, not every replica.
-    assert rules["http"] == [trainer, *net.get("httpClients", [])]
+    # HTTP: trainers, the configured clients, and the other replicas only to catch up from.
+    catch_up = values.get("server", {}).get("catchUpFromPeers", True)
+    assert rules["http"] == [trainer, *([peer] if catch_up else []),
+                             *net.get("httpClients", [])]
+
+
+def test_a_starting_replica_catches_up_from_its_peers_in_service_mode_only(
+        render, ci_values) -> None:
+    env = {e["name"]: e.get("value") for e in server_container(render())["env"]}
+    assert env["ROLLOUT_SIDECAR_PEERS"] == "dns+http://rs-rollout-sidecar-headless:8000"
+    off = {e["name"] for e in server_container(render(server={"catchUpFromPeers": False}))["env"]}
+    assert "ROLLOUT_SIDECAR_PEERS" not in off
+    policy = one(render(server={"catchUpFromPeers": False}), "NetworkPolicy")
+    assert len(ingress_by_port(policy)["http"]) == 1  # trainers alone
 
 
 def test_port_range_follows_values(render) -> None:
@@ -500,6 +512,8 @@ def test_one_container_definition_for_both_modes(render) -> None:
     deployed = server_container(render(overrides))
     sidecar = dict(server_container(render(SIDECAR, **overrides)))
     assert sidecar.pop("restartPolicy") == "Always"
+    # A sidecar has no peers to catch up from: one server per trainer pod.
+    deployed["env"] = [e for e in deployed["env"] if e["name"] != "ROLLOUT_SIDECAR_PEERS"]
     assert sidecar == deployed
 
 

@@ -118,8 +118,8 @@ class WeightAdminClient:
                 trainer_id: str | None = None, world_size: int = 2, rank_offset: int = 1,
                 store: tuple[str, int] | None = None,
                 fanout: str = "broadcast", secret: bytes | None = None,
-                bucket_macs: bool = True, op_timeout_s: float | None = None
-                ) -> ConnectResponse:
+                bucket_macs: bool = True, op_timeout_s: float | None = None,
+                senders: int = 1) -> ConnectResponse:
         """While another connection's lease runs (a trainer that just restarted
         finds its old self there), wait as the server's Retry-After says, up to
         `lease_wait_s`; a trainer that is really pushing keeps renewing it, and
@@ -129,6 +129,8 @@ class WeightAdminClient:
                 "rank_offset": rank_offset, "fanout": fanout}
         if op_timeout_s is not None:
             body["op_timeout_s"] = op_timeout_s
+        if senders > 1:  # a server that predates it refuses the field (and says so first)
+            body["senders"] = senders
         if store is not None:
             body.update(store_host=store[0], store_port=store[1])
         if secret is not None:  # in the body only: never in a log line or an error
@@ -159,7 +161,7 @@ class WeightAdminClient:
     def begin(self, version: int, transport: str, buckets: list[dict],
               connection_id: str | None, commit_policy: str | None,
               budget_s: float = 300.0, delta_base: int | None = None,
-              adapter: dict | None = None) -> BeginResponse:
+              adapter: dict | None = None, check: str = "crc32") -> BeginResponse:
         """Checks the manifest and allocates staging: watched, since a large
         model's staging takes a while."""
         body = {"version": version, "transport": transport, "connection_id": connection_id,
@@ -168,6 +170,8 @@ class WeightAdminClient:
             body["delta_base"] = delta_base
         if adapter is not None:  # an AdapterSpec's JSON
             body["adapter"] = adapter
+        if check != "crc32":  # a server that predates `check` refuses the field
+            body["check"] = check
         return BeginResponse.model_validate(self._call("POST", "/weights/begin", "begin",
                                                        budget_s, json=body))
 

@@ -22,12 +22,13 @@ from collections.abc import Iterator
 
 import torch
 
+from rollout_sidecar.protocol.data_plane.bucket_check import crc32, sum64
 from rollout_sidecar.protocol.data_plane.delta_codec import Patch, write
-from rollout_sidecar.protocol.data_plane.wire_format import crc32, slot_bytes, torch_dtype
+from rollout_sidecar.protocol.data_plane.wire_format import slot_bytes, torch_dtype
 from rollout_sidecar.protocol.failpoints import fire
-from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
+from rollout_sidecar.protocol.schema import BucketManifest, Check, TensorSlot
 from rollout_sidecar.trainer.errors import Error  # (kind, message): see errors.py
-from rollout_sidecar.trainer.gather.row_blocks import FlatCursor, RowBlocks
+from rollout_sidecar.trainer.gather.row_blocks import PACKING_RANK, FlatCursor, RowBlocks
 from rollout_sidecar.trainer.pack.finite import all_finite
 from rollout_sidecar.trainer.transport.base import Pending, Transport
 
@@ -50,34 +51,56 @@ class BucketSender:
         return self._buffers
 
     def send_all(self, buckets: list[BucketManifest], tensors: Iterator[tuple[str, torch.Tensor]],
-                 transport: Transport, push_ids: list[str]) -> tuple[list[int], Error | None]:
-        """Send every bucket; returns the CRCs and the first error. `push_ids`
-        (each replica's id of the push) go to `transport.send` as they are."""
-        if not buckets:  # an unchanged delta: nothing to send
+                 transport: Transport, push_ids: list[str], *, sender: int | None = None,
+                 check: Check = "crc32") -> tuple[list[int], Error | None]:
+        """Send every bucket; returns the check values and the first error.
+        `push_ids` (each replica's id of the push) go to `transport.send` as
+        they are. With `sender` (every rank sends: pusher.py), only the
+        buckets whose manifest names this rank are packed and sent, and the
+        values are theirs, in order; every tensor is still drawn, so this rank
+        takes part in every gather."""
+        mine = [b for b in buckets if sender is None or b.source == sender]
+        if not mine:  # an unchanged delta, or no share for this rank: nothing to send
+            for _ in _drawn(buckets, tensors):
+                pass
             return [], None
-        buffers = self._buffers_for(max(b.nbytes for b in buckets), transport.buffer_device)
+        buffers = self._buffers_for(max(b.nbytes for b in mine), transport.buffer_device)
         in_flight: list[Pending | None] = [None, None]
+        flying = [0, 0]  # the bucket each buffer is sending
         checksums: list[int] = []
         # gloo/NCCL with a connection secret: this push's keyed tags (bucket_mac.py).
         macs = transport.bucket_macs
         err: Error | None = None
         name, full = "", None  # the tensor being packed, until its last chunk
+        sent = 0  # this rank's buckets so far: they take turns in the two buffers
         for b in buckets:
-            slot = b.index % 2
-            if in_flight[slot] is not None and err is None:
-                err = _wait(in_flight[slot], f"sending bucket {b.index - 2}")
-            buf = buffers[slot][: b.nbytes]
+            ours = sender is None or b.source == sender
+            slot = sent % 2
+            if ours and in_flight[slot] is not None and err is None:
+                err = _wait(in_flight[slot], f"sending bucket {flying[slot]}")
+                in_flight[slot] = None
+            buf = buffers[slot][: b.nbytes] if ours else None
             for s in b.params:
                 if s.first:  # gathered on every rank, same order; a split tensor once
                     name, full = next(tensors)
-                    if (not s.last or isinstance(full, RowBlocks)) and err is None:
+                    # Another rank's row blocks: only rank 0 gets their rows.
+                    drawn_only = not ours and isinstance(full, RowBlocks)
+                    if ours and isinstance(full, RowBlocks) and sender not in (None,
+                                                                               PACKING_RANK):
+                        err = err or ("push", f"{name} comes in row blocks, to rank "
+                                      f"{PACKING_RANK} alone, but bucket {b.index} is rank "
+                                      f"{sender}'s (every rank sends without row blocks)")
+                    if (not s.last or isinstance(full, RowBlocks)) and err is None \
+                            and not drawn_only:
                         full, err = _cursor(name, full)
-                if err is None:
+                if err is None and buf is not None:
                     err = _pack(buf, s, name, full)
                 if s.last:
                     full = None  # freed before the next gather
-            if err is not None:
+            if err is not None or buf is None:
                 continue  # keep gathering so peers never hang; send nothing more
+            sent += 1
+            flying[slot] = b.index
             try:
                 # A test's stand-in for the bytes on the wire, or None (failpoints.py).
                 wire = fire("push.send", index=b.index, buf=buf)
@@ -86,12 +109,17 @@ class BucketSender:
                     checksums.append(crc32(buf))
                     in_flight[slot] = transport.send(b.index, wire, push_ids, checksums[-1])
                 else:
-                    # The CRCs (and tags) travel with the prepare, so compute
-                    # them while the bucket is on the wire (zlib and hashlib
-                    # release the GIL). An NCCL bucket comes to the host once.
+                    # The values (and tags) travel with the prepare, so compute
+                    # them while the bucket is on the wire (ISA-L and hashlib
+                    # release the GIL). An NCCL bucket's sum64 is computed in
+                    # device memory; it comes to the host only for a CRC or a tag.
                     in_flight[slot] = transport.send(b.index, wire, push_ids, None)
-                    host = buf if buf.is_cpu else buf.cpu()
-                    checksums.append(crc32(host))
+                    if check == "sum64":
+                        checksums.append(sum64(buf))
+                    host = None if check == "sum64" and macs is None else (
+                        buf if buf.is_cpu else buf.cpu())
+                    if check == "crc32":
+                        checksums.append(crc32(host))
                     if macs is not None:
                         macs.add(b.index, host)
             except Exception as e:
@@ -100,6 +128,16 @@ class BucketSender:
             if w is not None and err is None:
                 err = _wait(w, "sending the last buckets")
         return checksums, err
+
+
+def _drawn(buckets: list[BucketManifest], tensors: Iterator[tuple[str, torch.Tensor]]
+           ) -> Iterator[str]:
+    """Draw every tensor the buckets hold, packing nothing (this rank's
+    part in the gathers)."""
+    for b in buckets:
+        for s in b.params:
+            if s.first:
+                yield next(tensors)[0]
 
 
 def _cursor(name: str, full: torch.Tensor | RowBlocks

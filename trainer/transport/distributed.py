@@ -45,6 +45,7 @@ from rollout_sidecar.protocol.data_plane.signed_store import (
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
+from rollout_sidecar.trainer.transport.peer_sender import Rendezvous
 from rollout_sidecar.trainer.transport.registry import sender
 
 if TYPE_CHECKING:
@@ -62,6 +63,13 @@ CONNECT_TRIES = 3
 # How long an abort marker stays before it is deleted: every rank polls for it
 # every POLL_S (0.05 s), a busy replica's rank less often.
 ABORT_SEEN_S = 1.0
+
+
+def tampered_every_try(e: WeightPushError) -> WeightPushError:
+    return WeightPushError(
+        f"data plane: the rendezvous was tampered with on all {CONNECT_TRIES} tries, each "
+        "under a fresh connection id and secret (someone else can reach the data-plane port; "
+        f"restrict it, see docs/deploy.md); last: {e}")
 
 
 @sender("gloo", "nccl")
@@ -87,6 +95,7 @@ class DistributedTransport:
         transport(backend).check_fanout(fanout)
         self.fanout_setting = fanout
         self.fanout = "broadcast"  # this connection's; decided at connect
+        self.senders = 1  # this connection's trainer ranks that send
         self.group: Any = None
         self.connection_id: str | None = None
         self._secret: bytes | None = None  # this connection's; never logged
@@ -108,48 +117,73 @@ class DistributedTransport:
         return torch.device("cpu")
 
     def ensure_connected(self, statuses: list[Any]) -> None:
-        """(Re)build the group unless every replica holds ours: first push, a
-        failed one (which drops the group on both sides), or a replica that
-        restarted or joined. Every replica reconnects then: a group's members
-        are fixed when it forms. A rendezvous someone tampered with is tried
-        again under a fresh connection id and secret, `CONNECT_TRIES` times."""
-        if self.group is not None and all(s.connected == self.connection_id for s in statuses):
-            return
+        """Rank 0 alone (one sender): `plan_connect`, then `connect`, a
+        rendezvous someone tampered with tried again under a fresh connection
+        id and secret, `CONNECT_TRIES` times. With several senders the pusher
+        runs the same steps on every rank (trainer/sender_connect.py)."""
         for attempt in range(1, CONNECT_TRIES + 1):
+            rendezvous = self.plan_connect(statuses, 1)
+            if rendezvous is None:
+                return
             try:
-                return self._connect(statuses)
+                return self.connect(rendezvous)
             except WeightPushError as e:
                 if TAMPERED not in str(e):
                     raise
-                log.warning("data-plane connect %d of %d: %s", attempt, CONNECT_TRIES, e)
                 if attempt == CONNECT_TRIES:
-                    raise WeightPushError(
-                        f"data plane: the rendezvous was tampered with on all {CONNECT_TRIES} "
-                        "tries, each under a fresh connection id and secret (someone else "
-                        "can reach the data-plane port; restrict it, see docs/deploy.md); "
-                        f"last: {e}") from e
+                    raise tampered_every_try(e) from e
+                log.warning("data-plane connect %d of %d: %s", attempt, CONNECT_TRIES, e)
 
-    def _connect(self, statuses: list[Any]) -> None:
+    def connected(self, statuses: list[Any], senders: int) -> bool:
+        """Every replica holds our group, formed with `senders` senders."""
+        return self.group is not None and self.senders == senders and all(
+            s.connected == self.connection_id for s in statuses)
+
+    def plan_connect(self, statuses: list[Any], senders: int) -> Rendezvous | None:
+        """None where every replica holds our group with `senders` senders;
+        else drop ours and draw a new connection: a fresh id and secret, the
+        group's size and fan-out, the store (the first replica's). First push,
+        a failed one (which drops the group on both sides), a replica that
+        restarted or joined, another number of senders: every replica
+        reconnects then, since a group's members are fixed when it forms."""
+        if self.connected(statuses, senders):
+            return None
         self.reset()
-        conn_id = self.connection_id = uuid.uuid4().hex[:12]
-        # Per connection, over the admin-authenticated control plane only:
-        # signs the rendezvous and keys each bucket's tag (bucket_mac.py).
-        secret = self._secret = new_secret()
-        join_s = self.replicas.deadlines.join_s
-        op_s = self.replicas.deadlines.group_timeout_s
-        offsets = [1]
+        offsets = [senders]  # each replica's first worker rank, after the senders
         for s in statuses:
             offsets.append(offsets[-1] + s.data_plane_ranks)
-        world = offsets[-1]
+        world = offsets.pop()
         # gloo's broadcast is a binomial tree of whole buffers: with more than
         # one receiver rank 0 would send each bucket once per tree level, so
-        # relay it down a chain (bench/push_replicas.py measures both).
-        self.fanout = self.fanout_setting if self.fanout_setting != "auto" else (
+        # relay it down a chain (bench/push_replicas.py measures both). Several
+        # senders always go point to point (peer_sender.py).
+        fanout = "chain" if senders > 1 else (
+            self.fanout_setting if self.fanout_setting != "auto" else
             transport(self.backend).fanout(world))
-        # The first replica hosts the rendezvous; the others meet there.
-        store_host = self.data_plane_host or urlparse(self.replicas.urls[0]).hostname \
-            or "127.0.0.1"
-        store_port = statuses[0].data_plane_port
+        d = self.replicas.deadlines
+        return Rendezvous(
+            connection_id=uuid.uuid4().hex[:12], backend=self.backend,
+            # The first replica hosts the rendezvous; the others meet there.
+            store_host=self.data_plane_host or urlparse(self.replicas.urls[0]).hostname
+            or "127.0.0.1", store_port=statuses[0].data_plane_port, world_size=world,
+            senders=senders, rank_offsets=tuple(offsets), fanout=fanout, join_s=d.join_s,
+            op_s=d.group_timeout_s,
+            authenticate_buckets=self.authenticate_buckets,
+            # Per connection, over the admin-authenticated control plane only:
+            # signs the rendezvous and keys each bucket's tag (bucket_mac.py).
+            secret=new_secret())
+
+    def connect(self, rendezvous: Rendezvous) -> None:
+        """Join `rendezvous` as rank 0 while every replica connects (their
+        ranks follow the senders'); ranks 1 .. senders-1 join at the same time
+        (peer_sender.py). Raises `WeightPushError`; a connection that will not
+        form is ended on every rank still waiting for it (`_end_rendezvous`)."""
+        r = rendezvous
+        conn_id = self.connection_id = r.connection_id
+        secret = self._secret = r.secret
+        self.fanout, self.senders = r.fanout, r.senders
+        offsets = r.rank_offsets
+        store_host, store_port = r.store_host, r.store_port
         out: dict[str, Any] = {}
         # Read here, in the caller's thread: the join thread's current CUDA
         # device is its own and starts at 0, whatever device rank 0 is on.
@@ -160,8 +194,8 @@ class DistributedTransport:
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
                 out["group"] = broadcast_group(store_host, store_port, conn_id, SENDER_RANK,
-                                               world, self.backend, join_s, secret, op_s,
-                                               device=device)
+                                               r.world_size, self.backend, r.join_s, secret,
+                                               r.op_s, device=device)
             except BaseException as e:
                 out["join_error"] = e
 
@@ -172,17 +206,18 @@ class DistributedTransport:
         joining.start()
         try:
             self.replicas.all(lambda admin, i: admin.connect(
-                conn_id, self.backend, join_s, self.takeover, self.lease_wait_s, op_timeout_s=op_s,
-                trainer_id=self.trainer_id, world_size=world, rank_offset=offsets[i],
-                store=None if i == 0 else (store_host, store_port), fanout=self.fanout,
-                secret=secret, bucket_macs=self.authenticate_buckets), "connect")
+                conn_id, self.backend, r.join_s, self.takeover, self.lease_wait_s,
+                op_timeout_s=r.op_s, trainer_id=self.trainer_id, world_size=r.world_size,
+                rank_offset=offsets[i], store=None if i == 0 else (store_host, store_port),
+                fanout=r.fanout, secret=secret, bucket_macs=self.authenticate_buckets,
+                senders=r.senders), "connect")
         except WeightPushError as e:
             self._end_rendezvous(joining, out, store_host, store_port, conn_id, secret, e)
             join_error = out.get("join_error")
             if join_error is not None and TAMPERED in str(join_error):
                 raise WeightPushError(f"{e}; and this trainer's join: {join_error}") from e
             raise
-        joining.join(join_s)
+        joining.join(r.join_s)
         if "group" not in out:
             e = out.get("join_error")
             self._end_rendezvous(joining, out, store_host, store_port, conn_id, secret,
@@ -230,7 +265,7 @@ class DistributedTransport:
 
     def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
              ) -> Any:
-        return send_bucket(self.group, buf, self.fanout)
+        return send_bucket(self.group, buf, self.fanout, first_receiver=self.senders)
 
     def reset(self) -> None:
         """Drop our side of the group now (see `close_group`)."""

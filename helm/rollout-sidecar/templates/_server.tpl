@@ -67,6 +67,12 @@ Public named templates, each rendering YAML list items; call them with this char
     - name: ROLLOUT_SIDECAR_KV_CACHE_GIB
       value: {{ $s.kvCacheGib | quote }}
     {{- end }}
+    {{- if and (not .sidecar) $s.catchUpFromPeers }}
+    # A replica that (re)starts takes the version its peers serve before it reports ready
+    # (docs/replicas.md, "Catching up from a peer"); the headless Service lists every pod.
+    - name: ROLLOUT_SIDECAR_PEERS
+      value: {{ printf "dns+http://%s:%d" (include "rollout-sidecar.headlessName" $ctx) (int $s.port) | quote }}
+    {{- end }}
     {{- include "rollout-sidecar.tokenEnv" $ctx | nindent 4 }}
     {{- range $name, $value := $s.engineEnv }}
     - name: {{ $name }}

@@ -1,8 +1,8 @@
 """One push's buckets arriving over the data plane, in a background thread of
 the vLLM worker (the engine core keeps scheduling generation meanwhile).
 
-Each bucket's CRC (and keyed tag) is computed as it lands, while the next one
-arrives, so the check has nothing left to read. A thread's current CUDA
+Each bucket's check value (and keyed tag) is computed as it lands, while the
+next one arrives, so the check has nothing left to read. A thread's current CUDA
 device is its own and starts at device 0, so the thread sets the worker's
 device before any collective: NCCL puts a collective's communicator on the
 current device, and with TP >= 2 every worker would otherwise use GPU 0.
@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.protocol.data_plane.bucket_group import receive_bucket
+from rollout_sidecar.protocol.data_plane.bucket_check import crc32, sum64
+from rollout_sidecar.protocol.data_plane.bucket_group import relay_buckets
 from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac
-from rollout_sidecar.protocol.data_plane.wire_format import crc32
+from rollout_sidecar.protocol.schema import Check
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.weights.worker.staging import StagedBucket
 
@@ -52,8 +53,10 @@ def use_device(device: torch.device, backend: str) -> None:
 
 
 def receive_broadcast(group: Any, buckets: list[StagedBucket], backend: str,
-                      device: torch.device, key: bytes | None) -> None:
-    """Every bucket, as a broadcast from the trainer's rank 0."""
+                      device: torch.device, key: bytes | None, check: Check = "crc32") -> None:
+    """Every bucket, as a broadcast from the trainer's rank 0. An NCCL
+    bucket's `sum64` is computed in device memory (bucket_check.py): no host
+    copy unless a CRC-32 or a tag needs one."""
     use_device(device, backend)
     pending = None
     bounce = host_copy = None
@@ -61,49 +64,64 @@ def receive_broadcast(group: Any, buckets: list[StagedBucket], backend: str,
         size = max(b.nbytes for b in buckets)
         if buckets[0].buffer.is_cpu:  # host staging: through the device
             bounce = torch.empty(size, dtype=torch.uint8, device=device)
-        else:  # device staging: CRC'd here, from a host copy, not at CHECK
+        elif check == "crc32" or key is not None:  # device staging: a host copy to read
             host_copy = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     for b in buckets:
         target = b.buffer if bounce is None else bounce[: b.nbytes]
         work = group.broadcast(target)
         if pending is not None:  # the previous bucket, while this one arrives
-            _digest(pending, key, host_copy)
+            _digest(pending, key, host_copy, check)
         work.wait()
         if bounce is not None:
+            if check == "sum64":  # where the bytes are, before they leave the device
+                b.checksum = sum64(target)
             b.buffer.copy_(target)  # synchronous: the next broadcast reuses it
         b.received = True
         pending = b
     if pending is not None:
-        _digest(pending, key, host_copy)
+        _digest(pending, key, host_copy, check)
 
 
 def receive_chain(group: Any, buckets: list[StagedBucket], rank: int, world_size: int,
-                  key: bytes | None) -> None:
-    """Each bucket from the previous rank, forwarded to the next; its CRC
-    runs over each piece while the next one arrives (gloo only)."""
-    for b in buckets:
-        crc = 0
-        mac = BucketMac(key) if key is not None else None
+                  key: bytes | None, senders: int = 1, check: Check = "crc32") -> None:
+    """Each bucket from its sender (the first receiver, rank `senders`) or
+    the previous rank, forwarded to the next; a CRC-32 runs over each piece
+    while the next one arrives (gloo only). With several senders a bucket
+    from each is on the way at once (`relay_buckets`)."""
+    first = rank == senders
+    sources = [(b.buffer, b.source if first else rank - 1) for b in buckets]
+    crcs = [0] * len(buckets)
+    macs = [BucketMac(key) if key is not None else None for _ in buckets]
 
-        def add(piece: torch.Tensor, mac: BucketMac | None = mac) -> None:
-            nonlocal crc
-            crc = crc32(piece, crc)
-            if mac is not None:
-                mac.update(piece)
+    def add(k: int, piece: torch.Tensor) -> None:
+        if check == "crc32":
+            crcs[k] = crc32(piece, crcs[k])
+        if macs[k] is not None:
+            macs[k].update(piece)
+        if piece.data_ptr() + piece.numel() == buckets[k].buffer.data_ptr() + buckets[k].nbytes:
+            buckets[k].received = True  # its last piece
 
-        receive_bucket(group, b.buffer, rank, world_size, "chain", add)
-        b.checksum = crc
-        b.mac = mac
+    relay_buckets(group, sources, rank, world_size, window=senders, on_piece=add)
+    for k, b in enumerate(buckets):
+        b.checksum = crcs[k] if check == "crc32" else sum64(b.buffer)
+        b.mac = macs[k]
         b.received = True
 
 
-def _digest(b: StagedBucket, key: bytes | None, host_copy: torch.Tensor | None) -> None:
-    """A bucket's CRC (and tag): a device bucket through one reused pinned
-    host copy, so the check (on the worker's main thread) copies nothing."""
+def _digest(b: StagedBucket, key: bytes | None, host_copy: torch.Tensor | None,
+            check: Check) -> None:
+    """A bucket's check value (and tag): `sum64` where the bucket is; a
+    CRC-32 or tag of a device bucket through one reused pinned host copy, so
+    the check (on the worker's main thread) copies nothing."""
     data = b.buffer
+    if check == "sum64" and b.checksum is None:
+        b.checksum = sum64(data)
+    if check == "sum64" and key is None:
+        return
     if not data.is_cpu:
         assert host_copy is not None
         data = host_copy[: b.nbytes]
         data.copy_(b.buffer)
-    b.checksum = crc32(data)
+    if check == "crc32":
+        b.checksum = crc32(data)
     b.mac = BucketMac(key).update(data) if key is not None else None

@@ -32,6 +32,7 @@ class StagedInitInfo(WeightTransferInitInfo):
     op_timeout_s: float | None = None  # each operation once formed (None: timeout_s)
     world_size: int = 2
     rank_offset: int = 1
+    senders: int = 1  # trainer ranks in the group, 0 .. senders - 1 (bucket_group.py)
     staging: str = "auto"  # NCCL only: "device" stages in GPU memory, else pinned host
     fanout: str = "broadcast"  # or "chain" (gloo): see protocol/data_plane/bucket_group.py
     # The connection's data-plane key, hex (bucket_mac.py): out of every repr,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from rollout_sidecar.protocol.schema import Check
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.weights.worker.bucket_receive import (
     ReceiveThread,
@@ -51,17 +52,19 @@ class GroupReceive:
             return self.device
         return HOST
 
-    def start(self, buckets: list[StagedBucket]) -> ReceiveThread:
+    def start(self, buckets: list[StagedBucket], check: Check = "crc32") -> ReceiveThread:
         """Receive every bucket in a background thread, started here."""
         c = self.connection
         j = c.joiner
         assert j is not None
 
         def run(rx: ReceiveThread) -> None:
-            if j.info.fanout == "chain":
-                receive_chain(rx.group, buckets, j.rank, j.info.world_size, j.info.mac_key)
+            i = j.info
+            if i.fanout == "chain":
+                receive_chain(rx.group, buckets, j.rank, i.world_size, i.mac_key, i.senders,
+                              check)
             else:
-                receive_broadcast(rx.group, buckets, c.backend, self.device, j.info.mac_key)
+                receive_broadcast(rx.group, buckets, c.backend, self.device, i.mac_key, check)
 
         receiver = ReceiveThread(c.group, run)
         receiver.start()

@@ -38,14 +38,14 @@ from typing import Any
 
 import torch
 
+from rollout_sidecar.protocol.data_plane.bucket_check import checksum
 from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac, same_tag
 from rollout_sidecar.protocol.data_plane.wire_format import (
-    crc32,
     slot_bytes,
     slot_tensor,
     torch_dtype,
 )
-from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
+from rollout_sidecar.protocol.schema import BucketManifest, Check, TensorSlot
 from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
 
 _UNMAPPED = torch.empty(0, dtype=torch.uint8)  # a follower's bucket between loads
@@ -60,6 +60,7 @@ class StagedBucket:
     received: bool = False
     checksum: int | None = None  # computed on arrival
     mac: Any = None  # BucketMac, fed on arrival (a connection with a secret)
+    source: int = 0  # the trainer's data-plane rank that sends it (BucketManifest.sender)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class Staging:
             buf = pooled.pop() if pooled else None
             if buf is None or buf.device != device:
                 buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
-            self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf))
+            self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf, source=b.source))
         if any(pool.values()):  # what the layout does not use goes, pinned or not
             pool.clear()
             _release_cached_pinned()
@@ -95,7 +96,7 @@ class Staging:
         assert s is not None
         for b in manifest:  # a follower maps the leader's buffers at the load
             buf = s.buffer(b.index, b.nbytes) if s.leader else _UNMAPPED
-            self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf))
+            self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf, source=b.source))
         if s.leader:
             s.keep_only({b.index for b in manifest})
 
@@ -139,20 +140,21 @@ class Staging:
             self.shared.drop()
         _release_cached_pinned()
 
-    def check(self, expected: list[int]) -> None:
-        """Every bucket arrived and matches the trainer's checksum, or raise."""
+    def check(self, expected: list[int], check: Check = "crc32") -> None:
+        """Every bucket arrived and matches the trainer's check value, or raise."""
         if len(expected) != len(self.buckets):
             raise ValueError(f"{len(expected)} checksums for {len(self.buckets)} buckets")
         for b, want in zip(self.buckets, expected, strict=True):
             if not b.received:
                 raise ValueError(f"bucket {b.index} never arrived")
             if b.checksum is None:
-                b.checksum = crc32(b.buffer)
+                b.checksum = checksum(b.buffer, check)
             if b.checksum != want:
                 names = ", ".join(p.name for p in b.params[:4])
                 raise ValueError(
-                    f"bucket {b.index} checksum mismatch (got {b.checksum:#010x}, trainer sent "
-                    f"{want:#010x}); holds {names}{'...' if len(b.params) > 4 else ''}"
+                    f"bucket {b.index} checksum mismatch ({check}: got {b.checksum:#010x}, "
+                    f"trainer sent {want:#010x}); holds {names}"
+                    f"{'...' if len(b.params) > 4 else ''}"
                 )
 
     def check_macs(self, expected: list[str], key: bytes, connection_id: str,

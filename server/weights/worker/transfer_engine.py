@@ -56,6 +56,7 @@ from rollout_sidecar.server.weights.worker_requests import (
     Load,
     OpenPush,
     Patch,
+    Read,
     Receive,
     Relabel,
     Stage,
@@ -96,6 +97,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
             self.shutdown()
         elif op is SideOp.HOST:
             return {**host_view(), "dp_index": self.parallel_config.data_parallel_index}
+        elif op is SideOp.READ:
+            return self._read(parse(op, payload)) if self._worker_rank() == 0 else {}
         elif op in (SideOp.RELABEL, SideOp.LAYOUT):
             match parse(op, payload):
                 case Relabel() as r:
@@ -106,6 +109,28 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
                 case Layout() as layout:
                     self._take_role(StagingRole.assigned(layout, self._worker_rank()))
         return self._state()
+
+    def _read(self, request: Read) -> dict:
+        """The staged copy for a peer (worker_requests.Read): it holds version
+        `resident.version` bit for bit, or there is nothing to read."""
+        version = self.resident.version
+        if self._push is not None or version is None:
+            raise RuntimeError("no complete version is staged here (a push is under way, or "
+                               "none since the start)")
+        if request.bucket is None:
+            return {"version": version, "manifest": [
+                {"index": b.index, "nbytes": b.nbytes,
+                 "params": [p.model_dump(exclude_none=True) for p in b.params]}
+                for b in self.staging.buckets]}
+        if not 0 <= request.bucket < len(self.staging.buckets):
+            raise ValueError(f"bucket {request.bucket} is not in the staged copy "
+                             f"({len(self.staging.buckets)} buckets)")
+        self.staging.attach()  # shared staging: the leader's files, mapped
+        try:
+            b = self.staging.buckets[request.bucket]
+            return {"version": version, "data": b.buffer.cpu().numpy().tobytes()}
+        finally:
+            self.staging.detach()
 
     def _take_role(self, role: StagingRole) -> None:
         """Stage as `role` says from now on (host_share.py); between pushes."""
@@ -218,7 +243,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
             case Receive():
                 path = GroupReceive(self.connection, self.device)
                 self._allocate(request, path.staging_device(small=request.small))
-                self._receiver = path.start(self.incoming.buckets)
+                self._receiver = path.start(self.incoming.buckets, request.check)
             case Stage():
                 HttpStage.stage(self.incoming.buckets, request.bucket, request.data)
             case Patch():
@@ -237,7 +262,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
                                                      self._worker_rank()):
             self.incoming.buckets[0].checksum = None  # recomputed: sees the fault
         self._check_macs(request)  # first: a forger fixes the CRC up too
-        self.incoming.check(request.checksums)
+        self.incoming.check(request.checksums,
+                            self._push.check if self._push is not None else "crc32")
         self._checked = True
 
     def _load_push(self, request: Load) -> None:

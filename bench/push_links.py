@@ -1,0 +1,197 @@
+"""Per-node links: one sender against every rank sending, side by side in one run.
+
+Each trainer rank and each replica is a node of its own: a network namespace
+whose upload is capped by `tc` (netns.py; needs root), as pods on a cluster
+network, where each node's NIC is the limit. The trainer is FSDP2 over gloo
+across those nodes, so its gathers cross the same capped links as between
+real nodes. For 2 and 4 ranks, 1 and 2 replicas, `senders="one"` (rank 0
+sends every bucket) and `"all"` (each rank its share), it measures a dense
+push (`delta=False`): its time, and the bytes that leave each trainer node,
+split into the wrapper's gathers (the same gathers drained alone, just
+before) and the push's own. A warm-up push first (connect, allocate), then
+`--repeats` measured ones; medians.
+
+Targets (issue 44): with N ranks the push's own bytes out of the busiest
+trainer link <= 1.2 x model bytes / N, and the whole push within 1.3 x the
+time the busiest link needs for everything it carries.
+
+    sudo .venv/bin/python bench/push_links.py [--size 100m] [--link 1gbit] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from _common import build_llama, load, machine, median, serve, table
+from push import SIZES, load_trainer_model
+
+# This node's upload: `ip netns exec` mounts the namespace's own sysfs.
+TX = Path("/sys/class/net/eth0/statistics/tx_bytes")
+
+
+def _tx() -> int:
+    return int(TX.read_text())
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One trainer rank on its own node (env: RANK, WORLD_SIZE, MASTER_*)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from rollout_sidecar.trainer import WeightPusher
+    from rollout_sidecar.trainer.collectives import all_gather_object
+    from rollout_sidecar.trainer.gather.full_tensors import iter_full_tensors
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = load_trainer_model(build_llama(*SIZES[args.size]), torch.bfloat16)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    pusher = WeightPusher(args.urls.split(","), os.environ["ROLLOUT_SIDECAR_ADMIN_TOKEN"],
+                          delta=False, probe=False, senders=args.senders,
+                          bucket_mb=args.bucket_mb)
+    rows = []
+    version = args.version
+    pusher.push(model, version)  # warm-up: connect, allocate
+    for _ in range(args.repeats):
+        dist.barrier()
+        tx0, t0 = _tx(), time.perf_counter()
+        for _name, _t in iter_full_tensors(model):  # the gathers alone
+            pass
+        dist.barrier()
+        tx1, t1 = _tx(), time.perf_counter()
+        version += 1
+        result = pusher.push(model, version)
+        dist.barrier()
+        tx2 = _tx()
+        rows.append({"gather_bytes": tx1 - tx0, "gather_s": t1 - t0,
+                     "push_bytes": tx2 - tx1 - (tx1 - tx0), "push_s": result.timings["total_s"],
+                     "senders": result.senders, "reason": result.senders_reason,
+                     "nbytes": result.nbytes})
+    pusher.close()
+    everyone = all_gather_object(rows)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(everyone))
+    dist.destroy_process_group()
+
+
+def run_config(ips: dict[str, str], urls: list[str], ranks: int, senders: str,
+               version: int, env: dict[str, str], args: argparse.Namespace) -> list[list[dict]]:
+    from netns import exec_prefix
+
+    out = args.workdir / "links-result.json"
+    out.unlink(missing_ok=True)
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(ranks):
+        cmd = [*exec_prefix(f"t{r}"), sys.executable, __file__, "--worker", "--urls",
+               ",".join(urls), "--senders", senders, "--version", str(version), "--out",
+               str(out), "--size", args.size, "--repeats", str(args.repeats), "--bucket-mb",
+               str(args.bucket_mb)]
+        procs.append(subprocess.Popen(cmd, env=dict(
+            os.environ, **env, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK="0",
+            MASTER_ADDR=ips["t0"], MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0")))
+    try:
+        for p in procs:
+            p.wait(timeout=1800)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a rank failed: {[p.returncode for p in procs]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="100m", choices=sorted(SIZES))
+    ap.add_argument("--link", default="1gbit", help="tc rate of each node's upload")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=float, default=32)
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/rollout-sidecar-bench"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--urls", help=argparse.SUPPRESS)
+    ap.add_argument("--senders", help=argparse.SUPPRESS)
+    ap.add_argument("--version", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    from netns import nodes
+
+    print(machine(), flush=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    ckpt = build_llama(*SIZES[args.size])
+    rank_counts = [int(n) for n in args.ranks.split(",")]
+    rate = _bits_per_s(args.link) / 8
+    env = {"ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
+           "ROLLOUT_SIDECAR_ADMIN_TOKEN": secrets.token_hex(8),
+           "ROLLOUT_SIDECAR_CONNECTION_LEASE_S": "0"}
+    names = [f"t{r}" for r in range(max(rank_counts))] + ["a", "b"]
+    rows, version = [], 0
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        from netns import exec_prefix
+
+        ips = stack.enter_context(nodes(names, args.link))
+        servers = [stack.enter_context(serve(
+            ckpt, args.workdir / f"links-{n}.log", env={**env, "GLOO_SOCKET_IFNAME": "eth0"},
+            prefix=exec_prefix(n), host=ips[n])) for n in "ab"]
+        urls = [s.url for s in servers]
+        print(f"{args.size}; each node uploads at {args.link}; {load()}", flush=True)
+        for ranks in rank_counts:
+            for replicas in (1, 2):
+                for senders in ("one", "all"):
+                    version += 1000
+                    per_rank = run_config(ips, urls[:replicas], ranks, senders, version, env,
+                                          args)
+                    rows.append(_row(ranks, replicas, senders, per_rank, rate))
+                    print(f"  {ranks} ranks, {replicas} replica(s), senders={senders}: "
+                          f"{rows[-1][3]} s", flush=True)
+    print(f"\nmedian of {args.repeats} pushes, bucket {args.bucket_mb:g} MiB, each node's "
+          f"upload {args.link}; {time.perf_counter() - t_start:.0f}s; {load()}")
+    print(table(["ranks", "replicas", "senders", "push s", "push MB out of busiest link",
+                 "/ (model / N)", "gathers MB per link", "busiest link's wire s",
+                 "push s / wire s"], rows))
+
+
+def _row(ranks: int, replicas: int, senders: str, per_rank: list[list[dict]], rate: float
+         ) -> list[object]:
+    model = per_rank[0][0]["nbytes"]
+    push_s = median([r["push_s"] for r in per_rank[0]])
+    push_out = [median([r["push_bytes"] for r in rows]) for rows in per_rank]
+    gather_out = [median([r["gather_bytes"] for r in rows]) for rows in per_rank]
+    busiest = max(range(ranks), key=lambda r: push_out[r] + gather_out[r])
+    wire_s = (push_out[busiest] + gather_out[busiest]) / rate
+    label = f"{per_rank[0][0]['senders']}" if senders == "all" else "1 (rank 0)"
+    return [ranks, replicas, label, f"{push_s:.2f}", f"{max(push_out) / 1e6:.0f}",
+            f"{max(push_out) / (model / ranks):.2f}x",
+            "/".join(f"{g / 1e6:.0f}" for g in gather_out), f"{wire_s:.2f}",
+            f"{push_s / wire_s:.2f}x"]
+
+
+def _bits_per_s(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, factor in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * factor
+    raise ValueError(f"link rate like 1gbit, not {rate!r}")
+
+
+if __name__ == "__main__":
+    main()
