@@ -63,11 +63,16 @@ def worker(args: argparse.Namespace) -> None:
                           bucket_mb=args.bucket_mb)
     rows = []
     version = args.version
+    blocks = int(args.bucket_mb * 2**20) // 2 if args.senders == "one" else None
     pusher.push(model, version)  # warm-up: connect, allocate
     for _ in range(args.repeats):
         dist.barrier()
         tx0, t0 = _tx(), time.perf_counter()
-        for _name, _t in iter_full_tensors(model):  # the gathers alone
+        # The gathers alone, as the push runs them: one sender brings a
+        # parameter over a quarter bucket to rank 0 alone, in row blocks
+        # (drained as the iterator moves on); every rank sending gathers each
+        # one whole on every rank.
+        for _name, _t in iter_full_tensors(model, block_bytes=blocks):
             pass
         dist.barrier()
         tx1, t1 = _tx(), time.perf_counter()
@@ -77,6 +82,8 @@ def worker(args: argparse.Namespace) -> None:
         tx2 = _tx()
         rows.append({"gather_bytes": tx1 - tx0, "gather_s": t1 - t0,
                      "push_bytes": tx2 - tx1 - (tx1 - tx0), "push_s": result.timings["total_s"],
+                     "gather_send_s": result.timings["gather_send_s"],
+                     "commit_s": result.timings["commit_s"],
                      "senders": result.senders, "reason": result.senders_reason,
                      "nbytes": result.nbytes})
     pusher.close()
@@ -121,7 +128,9 @@ def main() -> None:
     ap.add_argument("--size", default="100m", choices=sorted(SIZES))
     ap.add_argument("--link", default="1gbit", help="tc rate of each node's upload")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--bucket-mb", type=float, default=32)
+    # 8 MiB: the 100m model is 26 buckets, about as many per rank as a large
+    # model in the default 256 MiB buckets (a bucket is the unit shared out).
+    ap.add_argument("--bucket-mb", type=float, default=8)
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rollout-sidecar-bench"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -163,11 +172,13 @@ def main() -> None:
                     rows.append(_row(ranks, replicas, senders, per_rank, rate))
                     print(f"  {ranks} ranks, {replicas} replica(s), senders={senders}: "
                           f"{rows[-1][3]} s", flush=True)
+    if not rows:
+        return
     print(f"\nmedian of {args.repeats} pushes, bucket {args.bucket_mb:g} MiB, each node's "
           f"upload {args.link}; {time.perf_counter() - t_start:.0f}s; {load()}")
-    print(table(["ranks", "replicas", "senders", "push s", "push MB out of busiest link",
-                 "/ (model / N)", "gathers MB per link", "busiest link's wire s",
-                 "push s / wire s"], rows))
+    print(table(["ranks", "replicas", "senders", "push s", "gather+send s", "commit s",
+                 "push MB out of busiest link", "/ (model / N)", "gathers MB per link",
+                 "busiest link's wire s", "push s / wire s", "gather+send s / wire s"], rows))
 
 
 def _row(ranks: int, replicas: int, senders: str, per_rank: list[list[dict]], rate: float
@@ -179,10 +190,12 @@ def _row(ranks: int, replicas: int, senders: str, per_rank: list[list[dict]], ra
     busiest = max(range(ranks), key=lambda r: push_out[r] + gather_out[r])
     wire_s = (push_out[busiest] + gather_out[busiest]) / rate
     label = f"{per_rank[0][0]['senders']}" if senders == "all" else "1 (rank 0)"
-    return [ranks, replicas, label, f"{push_s:.2f}", f"{max(push_out) / 1e6:.0f}",
-            f"{max(push_out) / (model / ranks):.2f}x",
+    send_s = median([r["gather_send_s"] for r in per_rank[0]])
+    return [ranks, replicas, label, f"{push_s:.2f}", f"{send_s:.2f}",
+            f"{median([r['commit_s'] for r in per_rank[0]]):.2f}",
+            f"{max(push_out) / 1e6:.0f}", f"{max(push_out) / (model / ranks):.2f}x",
             "/".join(f"{g / 1e6:.0f}" for g in gather_out), f"{wire_s:.2f}",
-            f"{push_s / wire_s:.2f}x"]
+            f"{push_s / wire_s:.2f}x", f"{send_s / wire_s:.2f}x"]
 
 
 def _bits_per_s(rate: str) -> float:

@@ -19,6 +19,8 @@ then serve bit-identical logprobs), then step and push as usual.
 from __future__ import annotations
 
 import argparse
+import shutil
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -105,8 +107,17 @@ def scored_logprobs(m: torch.nn.Module, scored: list[list[int]]) -> torch.Tensor
     return torch.cat([logprobs(m, ids, 1) for ids in scored])
 
 
+def save_checkpoint(model_path: str, model: torch.nn.Module, to: Path) -> None:
+    """`model` as a checkpoint beside a copy of `model_path`'s other files
+    (config, tokenizer)."""
+    shutil.copytree(model_path, to, ignore=shutil.ignore_patterns("*.safetensors*", "*.bin"),
+                    dirs_exist_ok=True)
+    model.save_pretrained(to)
+
+
 def compare(model_path: str, before: dict | None, after: dict, oracle: dict,
-            scored: list[list[int]], serve_dtype: torch.dtype) -> dict:
+            scored: list[list[int]], serve_dtype: torch.dtype, save_to: Path | None = None
+            ) -> dict:
     ref = reference(model_path, oracle)
     pre = reference(model_path, None)
     sample_gaps = []
@@ -121,8 +132,13 @@ def compare(model_path: str, before: dict | None, after: dict, oracle: dict,
         step_moved=gap(ref_scored, pre_scored),
     )
     if serve_dtype != torch.float32:
-        rounded = scored_logprobs(reference(model_path, oracle, serve_dtype), scored)
+        rounded_model = reference(model_path, oracle, serve_dtype)
+        rounded = scored_logprobs(rounded_model, scored)
         out["gap_after_rounded_ref"] = gap(rounded, after["scored"])
+        if save_to is not None:  # for a fresh server of the same weights (the test's oracle)
+            save_checkpoint(model_path, rounded_model.to(serve_dtype), save_to)
+            out.update(checkpoint=str(save_to), scored_tokens=scored,
+                       served_scored=after["scored"])
         if before is not None:  # the server still held the checkpoint
             out["gap_v0"] = gap(pre_scored, before["scored"])
     return out
@@ -208,7 +224,8 @@ def body(args: argparse.Namespace, rank: int) -> dict:
                 if run["error"] is None:
                     after = served(client, version, scored)
                     run.update(compare(args.model, before if i == 0 and name == wrapper
-                                       else None, after, oracle, scored, serve_dtype))
+                                       else None, after, oracle, scored, serve_dtype,
+                                       Path(args.out).with_name(f"trained-{name}")))
                 report["runs"].append(run)
             dist.barrier()
     return report

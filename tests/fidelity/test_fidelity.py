@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests import processes
-from tests.conftest import Server, ServerSpec, serves, stop_server
+from tests.conftest import Server, ServerSpec, serves, start_server, stop_server
 from tests.fidelity.zoo import FAMILIES
 
 pytestmark = pytest.mark.slow
@@ -43,11 +43,11 @@ FULL = os.environ.get("ROLLOUT_SIDECAR_FULL_FIDELITY") == "1"
 FP32_FAMILIES = list(FAMILIES) if FULL else [f for f in FAMILIES if f != "llama-untied-mha"]
 if not FULL:
     BF16_FAMILIES.remove("qwen3-moe")
-# The floor ratio is asserted for dense models only. In a top-k MoE the bf16
-# floor itself moves with the weights (near-tie routing flips): measured 1.46x
-# for Qwen3-MoE after a step, while pushing its unchanged weights is bit-exact
-# and the fp32 push matches to 2e-7. Its ratio is reported, not asserted.
-FLOOR_RATIO = 1.2
+# The bf16 floor ratio is reported, not asserted: the engine's rounding moves
+# with the weights and with the CPU's kernels (a top-k MoE's near-tie routing
+# flips: 1.46x for Qwen3-MoE after a step; AMX bf16 kernels: 1.235x for
+# llama-tied-gqa against 1.17x with AVX2's). The oracle is a fresh server of
+# the same weights instead, which must serve the same logprobs to the bit.
 MOE = {"qwen3-moe", "glm4-moe"}
 
 
@@ -139,12 +139,21 @@ def test_bf16_push_is_exact_and_stays_at_the_engine_floor(bf16_family, tmp_path)
     assert r["error"] is None, r
     assert r["version_after"] == r["version_pushed"]
     assert r["probe"]["passed"] and not r["probe"]["drifted"], r
-    # After a step: on the same tokens, the gap to an fp32 forward of the
-    # bf16-rounded trained weights stays at the gap the checkpoint had.
+    # After a step the pushed server serves what a fresh server of the same
+    # (bf16-rounded) trained weights serves, to the bit, on the same tokens:
+    # the engine's own floor, whatever its kernels (the ratio of its gaps to an
+    # fp32 forward before and after the step, reported, moved from 1.17 to 1.235
+    # between AVX2 and AMX bf16 kernels with the push bit-exact on both).
     ratio = r["gap_after_rounded_ref"] / r["gap_v0"]
     print(f"BF16-FLOOR {bf16_family.family} ratio {ratio:.3f}")
-    if bf16_family.family not in MOE:
-        assert ratio <= FLOOR_RATIO, r
+    fresh = start_server(tmp_path, "fresh-trained", model=r["checkpoint"], dtype="bfloat16")
+    try:
+        with fresh.client() as c:
+            s = c.score(r["scored_tokens"])
+        assert [lp for res in s.results for lp in res.prompt_logprobs[1:]] == \
+            r["served_scored"], "the pushed server differs from a fresh one of its weights"
+    finally:
+        stop_server(fresh)
 
 
 @pytest.mark.parametrize("bf16_family", ["llama-tied-gqa"], indirect=True)
