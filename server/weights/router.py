@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Header, Request, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Path, Request, Response
 
 from rollout_sidecar.protocol.schema import (
     AbortRequest,
@@ -24,7 +26,6 @@ from rollout_sidecar.protocol.schema import (
     WeightStatus,
 )
 from rollout_sidecar.server.auth import require_admin_token
-from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.weights.peer_copy import bucket_headers
 
 router = APIRouter(prefix="/weights", dependencies=[Depends(require_admin_token)])
@@ -108,10 +109,9 @@ async def staged(request: Request) -> StagedCopy:
 
 
 @router.get("/staged/{index}")
-async def staged_bucket(index: int, request: Request) -> Response:
+async def staged_bucket(request: Request,
+                        index: Annotated[int, Path(ge=0, lt=2**31)]) -> Response:
     """One bucket of the staged copy, its version and CRC-32 in headers."""
-    if index < 0:
-        raise BadRequest(f"index {index}: a bucket index is >= 0", "index")
     version, data = await _svc(request).peer_copy.bucket(index)
     return Response(data, media_type="application/octet-stream",
                     headers=bucket_headers(version, data))
