@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import get_args
 
 import torch
 
@@ -43,7 +42,6 @@ try:  # ISA-L: 4x zlib's CRC-32 here, the same values
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
     _crc32 = zlib.crc32
 
-CHECKS: tuple[Check, ...] = get_args(Check)
 
 MODULUS = 65521  # the weights' period: the largest prime below 2^16 (Adler's)
 CHUNK_WORDS = MODULUS * 128  # 16 MiB of bytes per reduction; every chunk starts a period

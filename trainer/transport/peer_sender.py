@@ -59,14 +59,6 @@ class PeerSender:
         self.bucket_macs: PushMacs | None = None
 
     @property
-    def name(self) -> str:
-        return self.rendezvous.backend if self.rendezvous else "gloo"
-
-    @property
-    def connection_id(self) -> str | None:
-        return self.rendezvous.connection_id if self.rendezvous else None
-
-    @property
     def buffer_device(self) -> torch.device:
         if self.rendezvous and transport(self.rendezvous.backend).on_device:
             return torch.device("cuda", torch.cuda.current_device())
