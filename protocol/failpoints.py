@@ -44,6 +44,9 @@ FAILPOINTS: dict[str, str] = {
                   "layer is complete but old): only the probe can see it",
     "load.crash": "the load raises after it changed the model (past the point of no return), "
                   "as a device error mid-load would",
+    # The server's API process (server/weights/peer_copy.py).
+    "catch_up.hold": "arg PATH: a catch-up from a peer waits, every bucket staged, until PATH "
+                     "exists (a test pushes meanwhile, to see the push ordered after it)",
     "adapter.scaling_twice": "a LoRA adapter's scaling (alpha/r) is applied twice, as "
                              "SkyRL's rebuilt adapters were (SkyRL 2221): only the probe sees it",
 }

@@ -26,10 +26,14 @@ class TransportKind:
     # The bytes come over the trainer's data-plane group (bucket_group.py), a
     # torch.distributed backend of this name; otherwise as HTTP bodies.
     joins_group: bool
-    # A bucket can be relayed rank to rank in pieces (`fanout="chain"`): gloo
-    # sends whole buffers down a binomial tree otherwise; NCCL's broadcast is
-    # already a pipelined ring.
+    # A bucket can be relayed rank to rank in pieces (`fanout="chain"`), which
+    # several senders need (point to point: a broadcast would carry every
+    # bucket to every sender too). NCCL relays in fused steps
+    # (data_plane/chain_steps.py).
     chains: bool = False
+    # The chain is also the default with more than one receiver: gloo's
+    # broadcast is a binomial tree of whole buffers; NCCL's is a pipelined ring.
+    chains_by_default: bool = False
     # Buckets travel in GPU memory (NCCL): a receiving worker sets its CUDA
     # device first, and a host-staged copy goes through a device bounce buffer.
     on_device: bool = False
@@ -41,17 +45,17 @@ class TransportKind:
     def fanout(self, world_size: int) -> Fanout:
         """The default fan-out of a group of `world_size` ranks: a chain where
         one can relay and more than one rank receives."""
-        return "chain" if self.chains and world_size > 2 else "broadcast"
+        return "chain" if self.chains_by_default and world_size > 2 else "broadcast"
 
     def check_fanout(self, fanout: str) -> None:
         if fanout == "chain" and not self.chains:
-            raise ValueError(f"fanout chain relays host memory, which {self.name} does not "
-                             "(NCCL's broadcast is already a pipelined ring): gloo only")
+            raise ValueError(f"fanout chain relays a bucket between the group's ranks, which "
+                             f"{self.name} has none of: gloo or nccl")
 
 
 TRANSPORTS = {t.name: t for t in (
-    TransportKind("gloo", joins_group=True, chains=True),  # host memory, everywhere
-    TransportKind("nccl", joins_group=True, on_device=True),  # GPU to GPU
+    TransportKind("gloo", joins_group=True, chains=True, chains_by_default=True),  # host memory
+    TransportKind("nccl", joins_group=True, chains=True, on_device=True),  # GPU to GPU
     TransportKind("http", joins_group=False),  # only the HTTP port open between the two
 )}
 

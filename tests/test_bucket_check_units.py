@@ -12,7 +12,7 @@ import torch
 
 from rollout_sidecar.protocol.data_plane import bucket_check
 from rollout_sidecar.protocol.data_plane.bucket_check import MODULUS, crc32, preferred_check, sum64
-from rollout_sidecar.protocol.schema import CAPABILITIES, SENDERS, BucketManifest
+from rollout_sidecar.protocol.schema import CAPABILITIES, SENDERS, SENDERS_NCCL, BucketManifest
 from rollout_sidecar.trainer.pack.bucket_senders import assign_senders
 from rollout_sidecar.trainer.sending_ranks import choose_senders
 
@@ -97,12 +97,16 @@ def _status(*caps: str) -> SimpleNamespace:
 def test_every_rank_sends_only_where_every_part_can_and_says_why_not():
     new = [_status(*CAPABILITIES), _status(*CAPABILITIES)]
     assert choose_senders("all", "gloo", 4, new) == (4, None)
+    assert choose_senders("all", "nccl", 4, new) == (4, None)  # point to point, chain_steps.py
+    before_nccl = _status(*(c for c in CAPABILITIES if c != SENDERS_NCCL))
     for setting, name, world, statuses, why in [
             ("one", "gloo", 4, new, "senders='one'"),
             ("all", "gloo", 1, new, "one trainer rank"),
-            ("all", "nccl", 4, new, "NCCL relays by broadcast"),
+            ("all", "nccl", 4, [new[0], before_nccl], "replica 1 predates every-rank sending "
+             "over nccl"),
             ("all", "http", 4, new, "transport http"),
             ("all", "gloo", 4, [new[0], _status()], "replica 1 predates")]:
         senders, reason = choose_senders(setting, name, world, statuses)
         assert senders == 1 and why in reason, (setting, name, reason)
+    assert choose_senders("all", "gloo", 4, [before_nccl])[0] == 4
     assert SENDERS in CAPABILITIES

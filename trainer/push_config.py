@@ -103,19 +103,20 @@ class PushConfig:
 
     fanout: Fanout = "auto"
     """How each bucket reaches every receiver over gloo/NCCL: "broadcast",
-    "chain" (gloo only: rank 0 sends it once and each receiver relays it to
-    the next, so the trainer's link carries each bucket once however many
-    replicas listen), or "auto" (chain for gloo with more than one receiver,
-    else broadcast)."""
+    "chain" (rank 0 sends it once and each receiver relays it to the next,
+    so the trainer's link carries each bucket once however many replicas
+    listen), or "auto" (chain for gloo with more than one receiver, else
+    broadcast: NCCL's broadcast is a pipelined ring already). Several
+    senders always chain."""
 
     senders: Literal["all", "one"] = "all"
-    """Which trainer ranks send a dense push's buckets over gloo: "all" (each
+    """Which trainer ranks send a dense push's buckets over gloo or NCCL: "all" (each
     bucket from one rank, shared out by bytes, so N ranks' links each carry
     about 1/N of the push; every rank then holds two send buffers) or "one"
     (rank 0 sends every bucket, as before). "all" falls back to one sender,
     and `PushResult.senders_reason` says why, where it cannot go: a replica
-    that predates it (no `senders` in its capabilities), NCCL (its broadcast
-    reaches every rank of the group), HTTP, one rank, a delta or an adapter
+    that predates it (no `senders` in its capabilities, or no `senders:nccl`
+    for NCCL), HTTP, one rank, a delta or an adapter
     push (rank 0 encodes them), a PEFT model or checkpoint conversion (rank 0
     converts). Every rank then gathers each FSDP2 parameter whole
     (`full_tensor()`, as FSDP2 does itself): `row_blocks`, which bring a large

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_sidecar.protocol.data_plane.signed_store import TAMPERED
-from rollout_sidecar.protocol.schema import SENDERS
+from rollout_sidecar.protocol.schema import SENDERS, SENDERS_NCCL
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.trainer.errors import Error, WeightPushError
 from rollout_sidecar.trainer.rank_agreement import agree, all_ranks
@@ -47,14 +47,14 @@ def choose_senders(setting: str, transport_name: str, world: int, statuses: list
         return 1, "senders='one'"
     if world == 1:
         return 1, "one trainer rank"
-    if not transport(transport_name).chains:  # http; NCCL's broadcast reaches every rank
+    if not transport(transport_name).chains:  # http
         return 1, (f"transport {transport_name}: several senders go point to point down a "
-                   "chain, which gloo does (NCCL relays by broadcast, which would carry every "
-                   "bucket to every sender too)")
-    old = [i for i, s in enumerate(statuses) if SENDERS not in s.capabilities]
+                   "chain of the data-plane group, which gloo and nccl form")
+    need = SENDERS_NCCL if transport(transport_name).on_device else SENDERS
+    old = [i for i, s in enumerate(statuses) if need not in s.capabilities]
     if old:
-        return 1, (f"replica {old[0]} predates every-rank sending (no '{SENDERS}' in its "
-                   "capabilities): rank 0 sends every bucket")
+        return 1, (f"replica {old[0]} predates every-rank sending over {transport_name} (no "
+                   f"'{need}' in its capabilities): rank 0 sends every bucket")
     return world, None
 
 

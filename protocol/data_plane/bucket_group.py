@@ -69,6 +69,14 @@ class DataPlaneGroup:
     def barrier(self) -> _Works:
         return _Works([self.pg.barrier()], self.op_timeout)
 
+    def exchange(self, sends: Sequence[tuple[Any, int]], recvs: Sequence[tuple[Any, int]]
+                 ) -> _Works:
+        """Sends and receives, each `(piece, peer rank)`, all under way at once
+        (NCCL's fused group, `NcclGroup.exchange`, in gloo's terms)."""
+        works = [self.pg.send([b], peer, 0) for b, peer in sends]
+        works += [self.pg.recv([b], peer, 0) for b, peer in recvs]
+        return _Works(works, self.op_timeout)
+
     def abort(self) -> None:
         self.pg.abort()
 

@@ -65,6 +65,11 @@ class Deadline:
         return time.monotonic() > self.at
 
 
+def _check_bucket(buf: torch.Tensor) -> None:
+    if not buf.is_cuda or buf.dtype != torch.uint8 or not buf.is_contiguous():
+        raise ValueError("an NCCL bucket is a contiguous uint8 CUDA tensor")
+
+
 def rank_key(rank: int) -> str:
     return f"nccl/rank/{rank}"
 
@@ -82,26 +87,46 @@ class NcclGroup:
 
     def broadcast(self, buf: torch.Tensor) -> NcclWork:
         """Start a broadcast of `buf` (a flat uint8 CUDA tensor) from rank 0."""
-        if not buf.is_cuda or buf.dtype != torch.uint8 or not buf.is_contiguous():
-            raise ValueError("an NCCL bucket is a contiguous uint8 CUDA tensor")
-        deadline = Deadline(self.op_timeout_s)
-        with torch.cuda.device(self.device):
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            buf.record_stream(self.stream)  # the allocator keeps it until our stream is done
-            self._call(lambda lib, comm: lib.broadcast(buf.data_ptr(), buf.numel(), SENDER_RANK,
-                                                       comm, self.stream.cuda_stream),
-                       "broadcast", deadline)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return NcclWork(self, event, deadline)
+        _check_bucket(buf)
+        return self._launch("broadcast", [buf], lambda lib, comm, stream: lib.broadcast(
+            buf.data_ptr(), buf.numel(), SENDER_RANK, comm, stream))
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]],
+                 recvs: list[tuple[torch.Tensor, int]]) -> NcclWork:
+        """Start sends and receives, each `(flat uint8 CUDA tensor, peer
+        rank)`, as one fused NCCL group: they progress side by side (a relay
+        passes the last pieces on while the next ones arrive, from several
+        senders at once). Between two ranks NCCL matches them in the order
+        they are posted, as gloo does."""
+        for buf, _ in sends + recvs:
+            _check_bucket(buf)
+        return self._launch(
+            "send/receive", [b for b, _ in sends + recvs],
+            lambda lib, comm, stream: lib.exchange(
+                [(b.data_ptr(), b.numel(), peer) for b, peer in sends],
+                [(b.data_ptr(), b.numel(), peer) for b, peer in recvs], comm, stream))
+
+    def send(self, piece: torch.Tensor, to_rank: int) -> NcclWork:
+        return self.exchange([(piece, to_rank)], [])
+
+    def recv(self, piece: torch.Tensor, from_rank: int) -> NcclWork:
+        return self.exchange([], [(piece, from_rank)])
 
     def barrier(self) -> NcclWork:
         return self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device))
 
-    def send(self, piece: Any, to_rank: int) -> Any:
-        raise NotImplementedError("NCCL moves buckets by broadcast (a pipelined ring)")
-
-    recv = send
+    def _launch(self, what: str, buffers: list[torch.Tensor], call: Any) -> NcclWork:
+        """Run `call` on the group's stream, after the caller's current one."""
+        deadline = Deadline(self.op_timeout_s)
+        with torch.cuda.device(self.device):
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            for buf in buffers:  # the allocator keeps them until our stream is done
+                buf.record_stream(self.stream)
+            self._call(lambda lib, comm: call(lib, comm, self.stream.cuda_stream), what,
+                       deadline)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return NcclWork(self, event, deadline, what)
 
     def _call(self, call: Any, what: str, deadline: Deadline) -> None:
         """Run one NCCL call on the communicator and wait until NCCL took it
@@ -167,19 +192,21 @@ class NcclGroup:
 class NcclWork:
     """One operation in flight on the group's stream."""
 
-    def __init__(self, group: NcclGroup, event: torch.cuda.Event, deadline: Deadline) -> None:
+    def __init__(self, group: NcclGroup, event: torch.cuda.Event, deadline: Deadline,
+                 what: str = "broadcast") -> None:
         self.group = group
         self.event = event
         self.deadline = deadline
+        self.what = what
 
     def wait(self, timeout: Any = None) -> None:
         """Until the operation is done; raises (the group aborted) if the
         communicator failed or the group's deadline passed first."""
         pause = POLL_MIN_S
         while not self.event.query():
-            self.group._state("broadcast", self.deadline)
+            self.group._state(self.what, self.deadline)
             if self.deadline.passed:  # the kernel waits on a peer that sends nothing
-                self.group.abort(f"broadcast: not done within {self.deadline.seconds:.0f}s "
+                self.group.abort(f"{self.what}: not done within {self.deadline.seconds:.0f}s "
                                  "(a peer stalled or died)")
                 raise TimeoutError(self.group.error)
             time.sleep(pause)

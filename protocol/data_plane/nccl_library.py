@@ -90,6 +90,15 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ncclBroadcast": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                      ctypes.c_int, ctypes.c_int, _COMM, _STREAM]),
     "ncclGetLastError": (ctypes.c_char_p, [_COMM]),
+    # Point to point (NCCL >= 2.7), for a chain of several senders; fused
+    # between ncclGroupStart and ncclGroupEnd, the way vLLM's pynccl.py
+    # `batch_isend_irecv` runs a list of them (pynccl_wrapper.py declares the same).
+    "ncclSend": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                _COMM, _STREAM]),
+    "ncclRecv": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                _COMM, _STREAM]),
+    "ncclGroupStart": (ctypes.c_int, []),
+    "ncclGroupEnd": (ctypes.c_int, []),
 }
 
 
@@ -157,6 +166,24 @@ class Library:
     def broadcast(self, ptr: int, nbytes: int, root: int, comm: Any, stream: int) -> int:
         return self.check(self._lib.ncclBroadcast(ptr, ptr, nbytes, UINT8, root, comm, stream),
                           "ncclBroadcast", comm)
+
+    def exchange(self, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]],
+                 comm: Any, stream: int) -> int:
+        """One fused launch of point-to-point calls, each `(ptr, nbytes,
+        peer)`: they progress side by side. On a nonblocking communicator the
+        group's end may return in progress (NCCL's "Nonblocking group
+        operation" docs): poll `async_error` before the next call."""
+        self.check(self._lib.ncclGroupStart(), "ncclGroupStart", comm)
+        try:
+            for ptr, nbytes, peer in sends:
+                self.check(self._lib.ncclSend(ptr, nbytes, UINT8, peer, comm, stream),
+                           "ncclSend", comm)
+            for ptr, nbytes, peer in recvs:
+                self.check(self._lib.ncclRecv(ptr, nbytes, UINT8, peer, comm, stream),
+                           "ncclRecv", comm)
+        finally:  # a group left open would swallow the communicator's next call
+            ended = self._lib.ncclGroupEnd()
+        return self.check(ended, "ncclGroupEnd", comm)
 
     def abort(self, comm: Any) -> None:
         self._lib.ncclCommAbort(comm)  # frees the comm: the handle is never used again

@@ -22,6 +22,7 @@ from rollout_sidecar.protocol.schema.weights_api import (
     CAPABILITIES,
     CHECK_SUM64,
     SENDERS,
+    SENDERS_NCCL,
     AbortRequest,
     BeginRequest,
     BeginResponse,
@@ -48,7 +49,7 @@ from rollout_sidecar.protocol.schema.weights_api import (
 )
 
 __all__ = [
-    "CAPABILITIES", "CHECK_SUM64", "SENDERS",
+    "CAPABILITIES", "CHECK_SUM64", "SENDERS", "SENDERS_NCCL",
     "AbortRequest", "AdapterSpec", "BeginRequest", "BeginResponse", "BucketManifest",
     "Check", "CommitPolicy", "CommitRequest", "CommitResponse", "ConnectRequest", "ConnectResponse",
     "DisconnectRequest", "DisconnectResponse", "ErrorItem", "ErrorResponse", "FinishReason",

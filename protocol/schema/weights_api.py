@@ -40,7 +40,9 @@ Check = Literal["crc32", "sum64"]
 # What a server takes beyond the first protocol (`WeightStatus.capabilities`).
 SENDERS = "senders"  # buckets from several trainer ranks (`ConnectRequest.senders`)
 CHECK_SUM64 = "check:sum64"  # `BeginRequest.check` "sum64"
-CAPABILITIES = (SENDERS, CHECK_SUM64)
+# Several senders over NCCL too (relayed in fused steps, data_plane/chain_steps.py).
+SENDERS_NCCL = "senders:nccl"
+CAPABILITIES = (SENDERS, CHECK_SUM64, SENDERS_NCCL)
 Mac = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # bucket_mac.py's tag
 _HEX_SECRET = re.compile(r"(?:[0-9a-fA-F]{2})+")
 

@@ -140,7 +140,7 @@ class DataPlane:
             raise BadRequest(str(e), "fanout") from None
         if req.senders > 1 and req.fanout != "chain":
             raise BadRequest(f"senders {req.senders}: several trainer ranks send point to point, "
-                             "down a chain (fanout chain, gloo); a broadcast would carry every "
+                             "down a chain (fanout chain); a broadcast would carry every "
                              "bucket to every sender too", "senders")
         if req.rank_offset < req.senders:
             raise BadRequest(f"rank_offset {req.rank_offset}: ranks 0 .. {req.senders - 1} are "

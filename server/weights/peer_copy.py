@@ -16,7 +16,7 @@ this server itself skipped by its boot id), take the newest version a healthy
 peer's staged copy holds, and push it into itself as an HTTP push: begin,
 each bucket staged and CRC-checked, commit (all or nothing, the version the
 peer serves). Meanwhile a request with `min_weight_version` waits at the gate
-and a trainer's begin waits for the catch-up (both bounded), so a push is
+and a trainer's connect or begin waits for the catch-up (both bounded), so a push is
 ordered after it. A catch-up that fails leaves the replica on what it serves,
 ready, and the trainer's next push (dense, as after any restart) brings it up.
 """
@@ -26,10 +26,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 
+from rollout_sidecar.protocol import failpoints
 from rollout_sidecar.protocol.data_plane.bucket_check import crc32_of_bytes
 from rollout_sidecar.protocol.schema import (
     BeginRequest,
@@ -144,6 +146,9 @@ class PeerCopy:
                 await svc.stage_bucket(begun.push_id, b.index, r.content, checksum)
                 checksums.append(checksum)
             self.timeline["received_s"] = round(time.monotonic() - t0, 3)
+            if (hold := failpoints.fire("catch_up.hold")) is not None:
+                while not Path(hold).exists():  # bounded by the catch-up's timeout
+                    await asyncio.sleep(0.05)
             await svc.commit(CommitRequest(push_id=begun.push_id, checksums=checksums))
         except BaseException as e:
             if svc.session.current is not None and svc.session.current.push_id == begun.push_id:

@@ -174,7 +174,10 @@ class WeightService:
 
     async def connect(self, req: ConnectRequest,
                       gone: Callable[[], Awaitable[bool]] | None = None) -> ConnectResponse:
-        """`gone`: whether the trainer's connect request went away."""
+        """`gone`: whether the trainer's connect request went away. A trainer
+        that connects during a catch-up waits for it (its HTTP push holds the
+        session), as its begin would."""
+        await self._after_catch_up(f"connect {req.connection_id}")
         async with self.session.lock:
             await self._supersede(req.trainer_id)
             if (p := self.session.current) is not None:
@@ -195,13 +198,19 @@ class WeightService:
     async def begin(self, req: BeginRequest) -> BeginResponse:
         """A trainer's begin: after this replica's catch-up from a peer, if
         one is running (peer_copy.py), so the push is ordered after it."""
-        if self.peer_copy.running:
-            try:
-                await asyncio.wait_for(self.peer_copy.done.wait(),
-                                       self.settings.catch_up_timeout_s)
-            except TimeoutError:
-                raise PushConflict("this replica is still catching up from a peer") from None
+        await self._after_catch_up(f"begin of version {req.version}")
         return await self.begin_now(req)
+
+    async def _after_catch_up(self, what: str) -> None:
+        """Wait for a running catch-up (bounded by its timeout); the status
+        shows what waited (`catch_up.trainer_waited`)."""
+        if not self.peer_copy.running:
+            return
+        self.peer_copy.timeline["trainer_waited"] = what
+        try:
+            await asyncio.wait_for(self.peer_copy.done.wait(), self.settings.catch_up_timeout_s)
+        except TimeoutError:
+            raise PushConflict("this replica is still catching up from a peer") from None
 
     async def begin_now(self, req: BeginRequest) -> BeginResponse:
         async with self.session.lock:

@@ -5,18 +5,27 @@ Two fp32 replicas take five pushes from an in-process trainer; a third starts
 with `--peers` naming them. Before it reports ready it serves version 5, and
 its prompt logprobs equal the others' bit for bit (fp32: the same weights
 give the same numbers) and a transformers forward of the trained weights to
-the fp32 floor; then a push to all three commits everywhere. A replica with
-nothing staged refuses to be read, naming why."""
+the fp32 floor; then a push to all three commits everywhere. A fourth
+replica's catch-up is held with every bucket staged (the `catch_up.hold`
+failpoint) while a trainer pushes to all four: the push waits for it on that
+replica, the replica commits the fleet's version first, then the push's,
+and serves it bit for bit like the others. A replica with nothing staged
+refuses to be read, naming why."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import httpx
 import pytest
 import torch
 
+from rollout_sidecar.server.launcher import launch_server
 from tests.conftest import start_server, stop_server
+from tests.polling import until
+from tests.server_plan import TEST_ENV, cache_dir
 
 pytestmark = pytest.mark.slow
 
@@ -100,6 +109,67 @@ def test_a_late_replica_serves_the_fleets_version_before_it_is_ready(tmp_path):
         after = prompt_logprobs(c)
         assert (after - reference_logprobs(model)).abs().mean().item() < EXACT
         assert torch.equal(after, prompt_logprobs(a))
+
+        push_during_a_catch_up(tmp_path, servers, model)
     finally:
         for s in servers:
             stop_server(s)
+
+
+def push_during_a_catch_up(tmp_path, servers, model) -> None:
+    """Replica d's catch-up (of version 6) holds, every bucket staged, until
+    the test releases it; a push of version 7 to all four starts meanwhile.
+    On d the trainer's connect waits for the catch-up (d says so in its
+    status), then the push lands after it."""
+    from rollout_sidecar.trainer import WeightPusher
+
+    a = servers[0]
+    release = tmp_path / "release-d"
+    points = tmp_path / "failpoints-d"
+    points.write_text(f"catch_up.hold:{release}")
+    d = launch_server(
+        log=tmp_path / "peer-d.log", dtype="float32", max_model_len=512, wait=False,
+        api_token=a.api_token, admin_token=a.admin_token, ready_timeout_s=300,
+        env={"ROLLOUT_SIDECAR_CACHE_DIR": str(cache_dir(tmp_path)), **TEST_ENV,
+             "ROLLOUT_SIDECAR_PEERS": ",".join(s.url for s in servers),
+             "ROLLOUT_SIDECAR_FAILPOINTS": str(points)})
+    outcome: dict = {}
+    try:
+        def timeline() -> dict:
+            assert d.proc.poll() is None, f"d exited: {d.log.read_text()[-3000:]}"
+            with contextlib.suppress(httpx.HTTPError):
+                return status(d).get("catch_up") or {}
+            return {}
+
+        until(lambda: "received_s" in timeline(), "d staged every bucket of its catch-up", 300)
+        assert timeline()["version"] == 6, timeline()
+        step(model, seed=7)
+
+        def push() -> None:
+            try:
+                with WeightPusher([s.url for s in servers] + [d.url],
+                                  admin_token=a.admin_token, bucket_mb=1) as pusher:
+                    outcome["result"] = pusher.push(model, version=7)
+            except BaseException as e:  # noqa: BLE001 - the test fails on it below
+                outcome["error"] = e
+
+        pushing = threading.Thread(target=push, daemon=True)
+        pushing.start()
+        until(lambda: "trainer_waited" in timeline() or "error" in outcome,
+              "the push waits for d's catch-up", 120)
+        assert "error" not in outcome, outcome
+        assert status(d)["weight_version"] == 0  # still held: nothing of it served yet
+        release.touch()
+        pushing.join(180)
+        assert not pushing.is_alive() and "error" not in outcome, outcome
+        assert outcome["result"].version == 7 and len(outcome["result"].replicas) == 4
+        caught = timeline()
+        assert caught["outcome"] == "caught up" and caught["version"] == 6, caught
+        assert all(status(s)["weight_version"] == 7 for s in [*servers, d])
+        served = prompt_logprobs(d)
+        assert torch.equal(served, prompt_logprobs(a))
+        assert (served - reference_logprobs(model)).abs().mean().item() < EXACT
+        print(f"push during a catch-up: d's timeline {caught}")
+    finally:
+        release.touch()
+        d.stop()

@@ -204,6 +204,14 @@ def _worker(port: int, out: mp.Queue, group_0: bool = False, old_way: bool = Fal
     del held
 
 
+def join_or_kill(procs: list) -> None:
+    """Each process ends (its own deadline dumped its stacks) or is killed."""
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+
+
 def _run(plan: str, group_0: bool = False, old_way: bool = False) -> dict:
     """Both processes; what each reported, and the worker's exit code (it
     may die without reporting: the control's SIGABRT)."""
@@ -228,10 +236,7 @@ def _run(plan: str, group_0: bool = False, old_way: bool = False) -> dict:
                 if not procs[1].is_alive():
                     break
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        join_or_kill(procs)
         del store
     results["worker_exit"] = procs[1].exitcode
     return results

@@ -10,7 +10,8 @@ the group's size), the pusher broadcasts it over the trainer's own process
 group, and ranks 1 .. N-1 join the group with it while rank 0 connects every
 replica (distributed.py). The bytes then go point to point, down the chain,
 to the first receiver (rank N): a broadcast would carry every bucket to every
-sender too, so several senders need `fanout` chain (gloo). The secret travels
+sender too, so several senders need `fanout` chain (gloo, or NCCL in fused
+steps: data_plane/chain_steps.py). The secret travels
 over the trainer's own process group, as its gradients do; it is never
 logged (`repr=False`).
 """
@@ -70,10 +71,11 @@ class PeerSender:
         marker ends the wait within a poll)."""
         self.reset()
         r = rendezvous
-        self.group = broadcast_group(r.store_host, r.store_port, r.connection_id, rank,
-                                     r.world_size, r.backend, r.join_s, r.secret, r.op_s,
-                                     device=self.buffer_device
-                                     if transport(r.backend).on_device else None)
+        on_device = transport(r.backend).on_device
+        self.group = broadcast_group(
+            r.store_host, r.store_port, r.connection_id, rank, r.world_size, r.backend,
+            r.join_s, r.secret, r.op_s,
+            device=torch.device("cuda", torch.cuda.current_device()) if on_device else None)
         self.rendezvous = r
 
     def start_push(self, version: int) -> None:

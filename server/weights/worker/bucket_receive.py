@@ -20,6 +20,7 @@ import torch
 from rollout_sidecar.protocol.data_plane.bucket_check import crc32, sum64
 from rollout_sidecar.protocol.data_plane.bucket_group import relay_buckets
 from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac
+from rollout_sidecar.protocol.data_plane.chain_steps import relay_steps
 from rollout_sidecar.protocol.schema import Check
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.weights.worker.staging import StagedBucket
@@ -83,11 +84,14 @@ def receive_broadcast(group: Any, buckets: list[StagedBucket], backend: str,
 
 
 def receive_chain(group: Any, buckets: list[StagedBucket], rank: int, world_size: int,
-                  key: bytes | None, senders: int = 1, check: Check = "crc32") -> None:
+                  key: bytes | None, senders: int = 1, check: Check = "crc32",
+                  backend: str = "gloo", device: torch.device | None = None) -> None:
     """Each bucket from its sender (the first receiver, rank `senders`) or
     the previous rank, forwarded to the next; a CRC-32 runs over each piece
-    while the next one arrives (gloo only). With several senders a bucket
-    from each is on the way at once (`relay_buckets`)."""
+    while the next one arrives. With several senders a bucket from each is on
+    the way at once: gloo's `relay_buckets`, NCCL's fused steps
+    (`relay_steps`; host staging lands through device slots, and a device
+    piece is CRC'd through a host copy: a GPU trainer speaks `sum64`)."""
     first = rank == senders
     sources = [(b.buffer, b.source if first else rank - 1) for b in buckets]
     crcs = [0] * len(buckets)
@@ -101,7 +105,13 @@ def receive_chain(group: Any, buckets: list[StagedBucket], rank: int, world_size
         if piece.data_ptr() + piece.numel() == buckets[k].buffer.data_ptr() + buckets[k].nbytes:
             buckets[k].received = True  # its last piece
 
-    relay_buckets(group, sources, rank, world_size, window=senders, on_piece=add)
+    if transport(backend).on_device:
+        if device is not None:
+            use_device(device, backend)
+        relay_steps(group, [(b.buffer, b.source) for b in buckets], rank, world_size,
+                    first_receiver=senders, on_piece=add)
+    else:
+        relay_buckets(group, sources, rank, world_size, window=senders, on_piece=add)
     for k, b in enumerate(buckets):
         b.checksum = crcs[k] if check == "crc32" else sum64(b.buffer)
         b.mac = macs[k]

@@ -6,7 +6,8 @@ transports apart; the API process picks the op (server/weights/receivers.py).
 - `GroupReceive` (gloo, NCCL; opened by `WorkerOp.RECEIVE`): the trainer's
   data-plane group, in a background thread that CRCs (and tags) each bucket
   as it lands (bucket_receive.py): a broadcast from the trainer's rank 0, or
-  gloo's chain, where each replica forwards what it got.
+  a chain, where each replica forwards what it got (gloo's threads, NCCL's
+  fused steps), from one trainer rank or from every one.
 - `HttpStage` (HTTP; opened by `WorkerOp.ALLOCATE`, then one `WorkerOp.STAGE`
   per bucket): the bytes the API process took from a request body; their CRC
   is computed at the check.
@@ -62,7 +63,7 @@ class GroupReceive:
             i = j.info
             if i.fanout == "chain":
                 receive_chain(rx.group, buckets, j.rank, i.world_size, i.mac_key, i.senders,
-                              check)
+                              check, c.backend, self.device)
             else:
                 receive_broadcast(rx.group, buckets, c.backend, self.device, i.mac_key, check)
 
