@@ -47,6 +47,9 @@ FAILPOINTS: dict[str, str] = {
     # The server's API process (server/weights/peer_copy.py).
     "catch_up.hold": "arg PATH: a catch-up from a peer waits, every bucket staged, until PATH "
                      "exists (a test pushes meanwhile, to see the push ordered after it)",
+    "quant.skip": "arg NAME: the layer NAME (an online-quantized one) is not re-quantized at "
+                  "a push: it keeps the previous version's quantized weights and scales, as "
+                  "a reload that skips the repack does (verl 7986)",
     "adapter.scaling_twice": "a LoRA adapter's scaling (alpha/r) is applied twice, as "
                              "SkyRL's rebuilt adapters were (SkyRL 2221): only the probe sees it",
 }

@@ -5,13 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rollout_sidecar.protocol.schema import CommitPolicy
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 ServeDtype = Literal["auto", "bfloat16", "float16", "float32"]
+# vLLM 0.32's online quantization of an unquantized checkpoint, by its names.
+Quantization = Literal["fp8_per_tensor", "fp8_per_block", "fp8_per_channel",
+                       "int8_per_channel_weight_only"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 
@@ -45,6 +48,13 @@ class ServerSettings(BaseSettings):
         "vLLM's is auto: RL trainers compute in bf16 mixed precision, and a checkpoint saved "
         "in fp32 would otherwise be served at twice the memory. float32 makes served logprobs "
         "reproduce a trainer's fp32 forward exactly.")
+    quantization: Quantization | None = Field(
+        None, description="Serve quantized, as vLLM's --quantization does to an unquantized "
+        "checkpoint: every push is re-quantized by vLLM's layerwise reload exactly as a fresh "
+        "load quantizes the same weights (docs/fast-rollouts.md). vLLM 0.32: the fp8 schemes "
+        "need a GPU (fp8_per_block: or an AMX CPU); int8_per_channel_weight_only quantizes "
+        "MoE experts only (linear layers stay in the serving dtype) and needs AMX on x86. "
+        "Serving dtype bfloat16 or float16: vLLM quantizes online from those only.")
     lm_head_fp32: bool = Field(
         False,
         description="Compute the lm_head's logits in float32 over the serving-dtype body "
@@ -219,6 +229,19 @@ class ServerSettings(BaseSettings):
     )
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: time to finish requests.")
     log_level: LogLevel = Field("info", description="Server and uvicorn log level.")
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value  # compose passes an unset variable as ""
+
+    @field_validator("quantization")
+    @classmethod
+    def _quantized_from_16_bits(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("dtype") == "float32":
+            raise ValueError(f"{value} quantizes online from bfloat16 or float16 weights "
+                             "(vLLM refuses float32): serve with --dtype bfloat16")
+        return value
 
     def model_post_init(self, _context: object) -> None:
         api = self.api_token.get_secret_value() if self.api_token else None

@@ -68,6 +68,13 @@ DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.05, torch.bfloat16: 0
 # proves exactness (1e-3 against a floor of 1e-7); pass `probe_tolerance` to
 # fail on a bound of your own.
 FLOOR_FACTOR, FLOOR_MARGIN = 3.0, 0.008
+# A quantized server (`serve --quantization`) against the trainer's bf16 or
+# fp32 forward: quantization error on top of the serving dtype's rounding
+# (0.004 nats on the tiny Qwen3-MoE with int8 experts; fp8 on real models
+# with outlier channels loses several times bf16's). As bf16's 0.1, it fails
+# only gross errors; the floor rule above (relative to the last passed probe)
+# is what sees a stale layer (docs/fast-rollouts.md: 0.004 -> 0.012, drift).
+QUANTIZED_TOLERANCE = 0.3
 
 Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 T = TypeVar("T")
@@ -89,7 +96,11 @@ def probe_token_ids(vocab_size: int, max_model_len: int) -> list[int]:
     return torch.randint(0, vocab_size, (n,), generator=g).tolist()
 
 
-def default_tolerance(serve_dtype: torch.dtype, logits_dtype: torch.dtype) -> float:
+def default_tolerance(serve_dtype: torch.dtype, logits_dtype: torch.dtype,
+                      quantization: str | None = None) -> float:
+    """By the coarser side's precision; a quantized server's own."""
+    if quantization is not None:
+        return QUANTIZED_TOLERANCE
     coarse = max((serve_dtype, logits_dtype), key=lambda d: DEFAULT_TOLERANCE.get(d, 0.1))
     return DEFAULT_TOLERANCE.get(coarse, 0.1)
 
@@ -234,7 +245,8 @@ def probe_push(forwarded: ProbeForward, version: int, replicas: ReplicaAdmins | 
     def ask() -> tuple[ProbeResult, str] | None:
         if replicas is None or serving is None:
             return None
-        tol = tolerance or default_tolerance(serving.serve_dtype, logits_dtype)
+        tol = tolerance or default_tolerance(serving.serve_dtype, logits_dtype,
+                                             serving.quantization)
         drift = None if tolerance else drift_tolerance(tol, floor)
         req = ProbeRequest(version=version, token_ids=ids, trainer_logprobs=logprobs,
                            tolerance=tol, drift_tolerance=drift)

@@ -216,6 +216,9 @@ class InfoResponse(BaseModel):
     model: str
     dtype: str
     lm_head_dtype: str = Field(description="dtype the lm_head's logits are computed in.")
+    quantization: str | None = Field(
+        None, description="vLLM's online quantization scheme the server serves in "
+        "(`serve --quantization`), or null: served in `dtype`.")
     max_model_len: int
     vocab_size: int
     weight_version: int

@@ -379,6 +379,9 @@ class WeightIndex(BaseModel):
 class WeightStatus(ReplyModel):
     weight_version: int
     dtype: str
+    quantization: str | None = Field(
+        None, description="vLLM's online quantization scheme (`serve --quantization`), or "
+        "null. Pushes carry `dtype`; every one is re-quantized as a fresh load would be.")
     vocab_size: int
     max_model_len: int
     boot_id: str = Field(description="New at every server start: a change means the server "

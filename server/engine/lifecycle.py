@@ -36,6 +36,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     logprobs_mode: str = "raw_logprobs"  # as vLLM's model config holds it
+    quantization: str | None = None  # vLLM's online scheme, or None
 
 
 class GenerationEngine:
@@ -75,6 +76,7 @@ class GenerationEngine:
             max_model_len=mc.max_model_len,
             vocab_size=mc.get_vocab_size(),
             logprobs_mode=mc.logprobs_mode,
+            quantization=mc.quantization,
         )
 
     async def check_health(self) -> None:

@@ -65,4 +65,5 @@ async def info(request: Request) -> InfoResponse:
         commit_policy=request.app.state.settings.commit_policy,
         transports=transports(),
         logprobs_mode=engine.info.logprobs_mode,
+        quantization=engine.info.quantization,
     )

@@ -133,7 +133,8 @@ class WeightService:
     def status(self) -> WeightStatus:
         gate, info, p = self.engine.gate, self.engine.info, self.session.current
         return WeightStatus(
-            weight_version=gate.version, dtype=info.dtype, vocab_size=info.vocab_size,
+            weight_version=gate.version, dtype=info.dtype, quantization=info.quantization,
+            vocab_size=info.vocab_size,
             max_model_len=info.max_model_len, boot_id=self.boot_id,
             push_state=self.session.state.value, push_in_progress=p is not None,
             push_id=p.push_id if p else None,

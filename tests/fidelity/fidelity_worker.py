@@ -168,6 +168,8 @@ def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--wrappers", default="fsdp2")
     ap.add_argument("--scenario", default="push")
+    ap.add_argument("--failpoints", default=None, help="quant: the server's failpoint file")
+    ap.add_argument("--skip-layer", default=None, help="quant: the layer its last push skips")
 
 
 def body(args: argparse.Namespace, rank: int) -> dict:
@@ -185,7 +187,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
         model = build(args.model, wrapper)
         before = served(client, version, scored) if client else None
         identity = None
-        if args.scenario == "bf16":
+        if args.scenario in ("bf16", "quant"):
             version += 1
             # Unchanged weights; its probe measures the floor later probes are held to.
             floor = pusher.push(model, version=version).probe
@@ -202,9 +204,21 @@ def body(args: argparse.Namespace, rank: int) -> dict:
                 p.to_local().view(-1)[0] = float("nan")
         oracle = full_state_dict(model, wrapper)
         run: dict = {"wrapper": wrapper, "version_pushed": version, "identity": identity}
-        rounds = [wrapper, wrapper + "+delta"] if args.scenario == "delta" else [wrapper]
+        rounds = {"delta": [wrapper, wrapper + "+delta"],
+                  # Pushes to a quantized server, each after a step; the last with one
+                  # layer's re-quantization skipped (the negative control).
+                  "quant": [wrapper, wrapper + "+step2", wrapper + "+skipped"]
+                  }.get(args.scenario, [wrapper])
         for name in rounds:
-            if name != wrapper:
+            armed = name.endswith("+skipped")
+            if armed and rank == 0:
+                Path(args.failpoints).write_text(f"quant.skip:{args.skip_layer}")
+            if name != wrapper and args.scenario == "quant":
+                step(model, info["vocab_size"])
+                version += 1
+                oracle = full_state_dict(model, wrapper)
+                run = {"wrapper": name, "version_pushed": version, "identity": None}
+            elif name != wrapper:
                 sparse_update(model, rank)
                 version += 1
                 oracle = full_state_dict(model, wrapper)
@@ -216,6 +230,8 @@ def body(args: argparse.Namespace, rank: int) -> dict:
                            delta_reason=res.delta_reason, nbytes=res.nbytes)
             except WeightPushError as e:
                 run.update(error=str(e), error_type=type(e).__name__)
+            if armed and rank == 0:
+                Path(args.failpoints).write_text("")
             # What every rank raised: a failed push must raise the same on all of them.
             run["error_types_by_rank"] = all_gather_object(run.get("error_type"))
             if rank == 0:

@@ -81,13 +81,14 @@ def bf16_family(request, server_plan):
 
 
 def run_worker(fs: FamilyServer, tmp_path: Path, wrappers: str = "fsdp2",
-               scenario: str = "push") -> list[dict]:
+               scenario: str = "push", extra: list[str] | None = None) -> list[dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "report.json"
     s = fs.server
     proc = processes.run(
         processes.torchrun(WORKER, ["--url", s.url, "--model", str(s.model_path), "--wrappers",
-                                    wrappers, "--scenario", scenario, "--out", str(out)]),
+                                    wrappers, "--scenario", scenario, "--out", str(out),
+                                    *(extra or [])]),
         # The worker imports tests/fsdp_wrap.py: the repository on the path.
         env=processes.repo_env(ROLLOUT_SIDECAR_ADMIN_TOKEN=s.admin_token,
                                ROLLOUT_SIDECAR_API_TOKEN=s.api_token),

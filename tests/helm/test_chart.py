@@ -428,6 +428,14 @@ def test_a_starting_replica_catches_up_from_its_peers_in_service_mode_only(
     assert len(ingress_by_port(policy)["http"]) == 1  # trainers alone
 
 
+def test_quantization_reaches_the_server_only_when_set(render) -> None:
+    plain = {e["name"] for e in server_container(render())["env"]}
+    assert "ROLLOUT_SIDECAR_QUANTIZATION" not in plain
+    env = {e["name"]: e.get("value") for e in server_container(render(
+        server={"quantization": "fp8_per_block"}))["env"]}
+    assert env["ROLLOUT_SIDECAR_QUANTIZATION"] == "fp8_per_block"
+
+
 def test_port_range_follows_values(render) -> None:
     manifests = render(dataPlane={"portRange": {"start": 40000, "end": 40999}})
     validate_all(manifests)

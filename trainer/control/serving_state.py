@@ -60,6 +60,13 @@ class ServingState:
         return torch_dtype(self.statuses[0].dtype)
 
     @property
+    def quantization(self) -> str | None:
+        """The replicas' online quantization scheme (each re-quantizes what
+        it is pushed), or None."""
+        schemes = {st.quantization for st in self.statuses}
+        return next(iter(schemes)) if len(schemes) == 1 else "mixed"
+
+    @property
     def wire_dtypes(self) -> dict[str, torch.dtype]:
         """Each tensor's dtype on the wire: what the served checkpoint holds."""
         assert self.index is not None

@@ -49,6 +49,10 @@ Public named templates, each rendering YAML list items; call them with this char
       value: {{ int $s.dataPlanePort | quote }}
     - name: ROLLOUT_SIDECAR_DTYPE
       value: {{ $s.dtype | quote }}
+    {{- if $s.quantization }}
+    - name: ROLLOUT_SIDECAR_QUANTIZATION
+      value: {{ $s.quantization | quote }}
+    {{- end }}
     - name: ROLLOUT_SIDECAR_CACHE_DIR
       value: {{ $v.cache.mountPath | quote }}
     {{- with (include "rollout-sidecar.modelPath" $ctx) }}

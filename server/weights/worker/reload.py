@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from rollout_sidecar.protocol.failpoints import fire
+
 log = logging.getLogger(__name__)
 
 
@@ -87,6 +89,32 @@ def _deferred_processing(deferred: list) -> Iterator[None]:
     layerwise._layerwise_process = lambda layer, info: deferred.append((layer, info))
     try:
         yield
+    finally:
+        layerwise._layerwise_process = original
+
+
+@contextlib.contextmanager
+def _skipping(names: dict[int, str], skip: str | None) -> Iterator[Any]:
+    """vLLM's per-layer processing, except for the layer a test names (the
+    `quant.skip` failpoint), which keeps its live, previous-version tensors:
+    a reload that skips re-quantizing. Patched where vLLM looks it up, so the
+    layers vLLM itself processes at the end are covered too."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    original = layerwise._layerwise_process
+    if not skip:
+        yield original
+        return
+
+    def process(layer: torch.nn.Module, info: Any) -> None:
+        if names.get(id(layer)) == skip:
+            layerwise._place_kernel_tensors(layer, info)
+            return
+        original(layer, info)
+
+    layerwise._layerwise_process = process
+    try:
+        yield process
     finally:
         layerwise._layerwise_process = original
 
@@ -200,7 +228,6 @@ def load_all_or_nothing(model: torch.nn.Module, model_config: Any,
         initialize_layerwise_reload,
     )
     from vllm.model_executor.model_loader.reload.layerwise import (
-        _layerwise_process,
         _place_kernel_tensors,
         get_layerwise_info,
     )
@@ -220,15 +247,21 @@ def load_all_or_nothing(model: torch.nn.Module, model_config: Any,
         more = f" and {len(short) - 6} more" if len(short) > 6 else ""
         raise LoadRefused(f"layers would keep stale weights: {'; '.join(short[:6])}{more}")
     # From here on the live tensors change.
-    for layer, info in deferred:
-        with _as_first_load(layer):
-            _layerwise_process(layer, info)
-    for layer in tied:
-        info = get_layerwise_info(layer)
-        _place_kernel_tensors(layer, info)
-        info.reset()
-    finalize_layerwise_reload(model, model_config)
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    skip = fire("quant.skip")  # a test's un-requantized layer (failpoints.py)
+    with _skipping(names, skip) as process:
+        for layer, info in deferred:
+            # A skipped layer keeps its kernel too: it is not set up again.
+            with contextlib.nullcontext() if names[id(layer)] == skip else \
+                    _as_first_load(layer):
+                process(layer, info)
+        for layer in tied:
+            info = get_layerwise_info(layer)
+            _place_kernel_tensors(layer, info)
+            info.reset()
+        # Layers not complete until the end (an MoE layer's padded experts) are
+        # processed here, by vLLM.
+        finalize_layerwise_reload(model, model_config)
     for layer in tied:
         # Rebuild what processing derives from the (now updated) shared weight,
         # e.g. the CPU oneDNN prepack of a tied lm_head.
