@@ -99,16 +99,13 @@ def build_llama(hidden: int, intermediate: int, layers: int) -> Path:
 
     # The recipe version is in the name: tokenizer files come from the default model.
     target = CACHE / f"llama-h{hidden}-i{intermediate}-l{layers}-r{RECIPE_VERSION}"
-    if (target / "done").exists():
-        return target
     heads = hidden // 64
     cfg = dict(MODEL_CONFIG, hidden_size=hidden, intermediate_size=intermediate,
                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads)
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                         pad_token_id=PAD_ID, torch_dtype="bfloat16", **cfg)
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=CACHE))
-    try:
+
+    def write(tmp: Path) -> None:
+        config = LlamaConfig(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                             pad_token_id=PAD_ID, torch_dtype="bfloat16", **cfg)
         torch.manual_seed(SEED)
         # Built in bf16 directly: a 500M model in fp32 would be a 2 GB detour.
         with _default_dtype(torch.bfloat16):
@@ -118,6 +115,20 @@ def build_llama(hidden: int, intermediate: int, layers: int) -> Path:
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             shutil.copy(src / f, tmp / f)
         (tmp / "done").write_text(json.dumps(cfg))
+
+    return cached(target, write)
+
+
+def cached(target: Path, write: Any) -> Path:
+    """`target`, built once by `write(folder)` in a temporary folder and
+    renamed, so an interrupted build is never reused; `write` leaves a file
+    `done` in it."""
+    if (target / "done").exists():
+        return target
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=CACHE))
+    try:
+        write(tmp)
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
     finally:

@@ -219,6 +219,9 @@ def main() -> None:
                    mean_token_lag=sum(lags) / max(1, len(lags)),
                    probe_abs_dlogp=probe, probe_drifted=drifted, push_timings=timings,
                    lm_head_dtype=info["lm_head_dtype"],
+                   # Served quantized, the gap includes the quantization's error: what
+                   # an off-policy correction absorbs (docs/fast-rollouts.md).
+                   quantization=info.get("quantization"),
                    gen_tokens_per_s=resp_d["usage"]["completion_tokens"] / resp_d["generate_s"],
                    phase_s=dict(generate=t1 - t0, train=t2 - t1, push=t3 - t2, step=t3 - t0))
         records.append(rec)
@@ -277,6 +280,7 @@ def _write_report(out: Path, records: list[dict], config: dict, setup_s: dict) -
         median_push_s=pushes[len(pushes) // 2] if pushes else None,
         final_weight_version=records[-1]["weight_version"],
         lm_head_dtype=records[0]["lm_head_dtype"],
+        quantization=records[0]["quantization"],
         mean_train_rollout_logprob_abs_diff=sum(drift) / len(drift),
         # Lag 0: the engines' numerics alone (the sync loop's only kind); lag 1+:
         # the policy moved since the token was sampled, which the async loss
@@ -306,8 +310,9 @@ def _write_report(out: Path, records: list[dict], config: dict, setup_s: dict) -
     c.legend(fontsize=7)
     c.set_ylabel("|trainer - rollout| logp")
     c.set_ylim(bottom=0)
-    c.set_title(f"train_rollout_logprob_abs_diff (lm_head {records[0]['lm_head_dtype']})",
-                fontsize=9)
+    served = records[0]["quantization"] or "unquantized"
+    c.set_title(f"train_rollout_logprob_abs_diff (lm_head {records[0]['lm_head_dtype']}, "
+                f"served {served})", fontsize=9)
     b.plot(steps, [r["push_s"] for r in records], marker="o", color="tab:orange")
     b.set_ylabel("push time (s)")
     b.set_xlabel("step")

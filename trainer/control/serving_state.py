@@ -62,7 +62,8 @@ class ServingState:
     @property
     def quantization(self) -> str | None:
         """The replicas' online quantization scheme (each re-quantizes what
-        it is pushed), or None."""
+        it is pushed), None, or "mixed" where they differ (the probe then
+        holds them all to a quantized server's tolerance)."""
         schemes = {st.quantization for st in self.statuses}
         return next(iter(schemes)) if len(schemes) == 1 else "mixed"
 

@@ -259,8 +259,8 @@ def load_all_or_nothing(model: torch.nn.Module, model_config: Any,
             info = get_layerwise_info(layer)
             _place_kernel_tensors(layer, info)
             info.reset()
-        # Layers not complete until the end (an MoE layer's padded experts) are
-        # processed here, by vLLM.
+        # What vLLM processes itself at the end (attention, layers with padding
+        # never loaded) goes through `process` too.
         finalize_layerwise_reload(model, model_config)
     for layer in tied:
         # Rebuild what processing derives from the (now updated) shared weight,
