@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -55,6 +56,13 @@ class ServerSettings(BaseSettings):
         "need a GPU (fp8_per_block: or an AMX CPU); int8_per_channel_weight_only quantizes "
         "MoE experts only (linear layers stay in the serving dtype) and needs AMX on x86. "
         "Serving dtype bfloat16 or float16: vLLM quantizes online from those only.")
+    speculative_config: str | None = Field(
+        None, description="Speculative decoding, as vLLM's --speculative-config: a JSON "
+        "object, e.g. {\"method\": \"draft_model\", \"model\": \"/ckpt/draft\", "
+        "\"num_speculative_tokens\": 3}. A drafter with a checkpoint of its own (a local "
+        "dir) takes pushes with the target, in the same commit; one a push leaves out is "
+        "reported frozen (docs/fast-rollouts.md). vLLM 0.32 on CPU runs draft_model, ngram "
+        "and the EAGLE family.")
     lm_head_fp32: bool = Field(
         False,
         description="Compute the lm_head's logits in float32 over the serving-dtype body "
@@ -230,7 +238,26 @@ class ServerSettings(BaseSettings):
     drain_timeout_s: float = Field(60.0, ge=0, description="SIGTERM: time to finish requests.")
     log_level: LogLevel = Field("info", description="Server and uvicorn log level.")
 
-    @field_validator("quantization", mode="before")
+    @field_validator("speculative_config")
+    @classmethod
+    def _json_object(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON: {e}") from e
+        if not isinstance(parsed, dict) or not ({"method", "model"} & parsed.keys()):
+            raise ValueError("a JSON object naming at least `method` or `model`, as vLLM's "
+                             "--speculative-config")
+        return value
+
+    @property
+    def speculative(self) -> dict[str, Any] | None:
+        """`speculative_config` parsed, as vLLM's engine args take it."""
+        return json.loads(self.speculative_config) if self.speculative_config else None
+
+    @field_validator("quantization", "speculative_config", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value  # compose passes an unset variable as ""

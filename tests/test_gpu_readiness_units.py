@@ -118,7 +118,7 @@ class _FakeWorker:
         self.fail_on = fail_on
         self.log: list[str] = []
         self.weight_transfer_engine = SimpleNamespace(
-            discard=lambda: self.log.append("discard"), staged_bytes=7,
+            discard=lambda: self.log.append("discard"), staged_bytes=7, drafter=None,
             side_call=lambda op, payload: {"connection": {"state": "none"}})
 
     def start_weight_update(self) -> None:

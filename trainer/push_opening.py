@@ -29,3 +29,6 @@ class Opening:
     senders: int = 1  # trainer ranks in the data-plane group (sending_ranks.py)
     senders_reason: str | None = None  # why one, where every rank was asked to
     rendezvous: Rendezvous | None = None  # a connection for every sender to join, if new
+    # A push with a drafter (draft_push.py): its persistent buffers that travel
+    # (the drafter's own names); None: the push leaves the drafter frozen.
+    draft_buffers: list[str] | None = None

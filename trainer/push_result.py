@@ -66,6 +66,10 @@ class PushResult:
     senders_reason: str | None = None  # why one, where every rank was asked to send
     check: str = "crc32"  # each bucket's integrity check (bucket_check.py)
     elements: int | None = None  # a delta: elements of the whole model
+    drafter: str | None = None
+    """Replicas with a speculative drafter: "synced" (this push loaded it with
+    the target on every one) or "frozen" (it kept older weights on some:
+    acceptance falls, output stays exact); None without a drafter."""
 
     @property
     def probe_gap(self) -> float | None:
@@ -81,7 +85,14 @@ class PushResult:
         return cls(version=first.weight_version, nbytes=sum(b.nbytes for b in buckets),
                    buckets=len(buckets), commit_policy=first.commit_policy,
                    server_restarted=server_restarted, replicas=outcomes,
-                   timings=server_timings(prepared, outcomes))
+                   timings=server_timings(prepared, outcomes),
+                   drafter=drafter_outcome(committed))
+
+
+def drafter_outcome(committed: Sequence[CommitResponse]) -> str | None:
+    """Frozen if any replica's drafter is; None if none has one."""
+    outcomes = {c.drafter for c in committed} - {None}
+    return None if not outcomes else "frozen" if "frozen" in outcomes else "synced"
 
 
 def server_timings(prepared: Sequence[PrepareResponse], outcomes: Sequence[ReplicaOutcome]

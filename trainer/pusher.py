@@ -41,6 +41,12 @@ from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.control.serving_state import ServingState
 from rollout_sidecar.trainer.delta.delta_push import DeltaPlan, DeltaPush, replicas_base
+from rollout_sidecar.trainer.draft_push import (
+    converted_target,
+    draft_buffers,
+    draft_plan,
+    with_draft,
+)
 from rollout_sidecar.trainer.errors import Error, from_kind
 from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
 from rollout_sidecar.trainer.gather.full_tensors import (
@@ -142,8 +148,8 @@ class WeightPusher:
         self.config.commit_policy = policy
 
     def push(self, model: nn.Module, version: int, *, probe: bool | Forward | None = None,
-             probe_tolerance: float | None = None, adapter: bool | None = None
-             ) -> PushResult:
+             probe_tolerance: float | None = None, adapter: bool | None = None,
+             draft: nn.Module | None = None) -> PushResult:
         """Gather, send and commit `model` as `version`; call it on every rank.
 
         With `probe` (default: the pusher's), the commit is followed by the
@@ -153,29 +159,32 @@ class WeightPusher:
         effects, or when pushes are so frequent that one extra forward per push
         matters (see docs/proofs.md, "The probe"). `adapter` (default: the
         pusher's `adapter` setting) sends a PEFT LoRA model's adapter instead
-        of merged weights.
+        of merged weights. `draft` (a second module, or `model` itself) is the
+        replicas' speculative drafter, pushed with the target and loaded in
+        the same commit (draft_push.py); without it their drafter stays
+        frozen, and `PushResult.drafter` says so.
         """
         t0 = time.perf_counter()
-        bad = meta_modules(model)
+        bad = meta_modules(model) + (meta_modules(draft) if draft is not None else [])
         if any_rank(bool(bad)):
             raise MetaDeviceError(
                 "refusing to push: parameters still on the meta device in modules "
                 f"{bad[:8] if bad else '(on another rank)'}; materialise them "
                 "(e.g. to_empty() + init/load) before pushing")
 
-        opening: Opening = agree(lambda: self._open(model, version, adapter)
+        opening: Opening = agree(lambda: self._open(model, version, adapter, draft)
                                  if self.rank == 0 else None)
         self._connect(opening, version)
         t_opened = time.perf_counter()
         plan = self._plan(model, opening)  # every rank: the same plan
         diff_s = time.perf_counter() - t_opened  # every rank's diff and the counts
-        begun: _Begun = agree(lambda: self._begin(model, version, plan)
+        begun: _Begun = agree(lambda: self._begin(model, version, plan, draft)
                               if self.rank == 0 else None)
         t_begun = time.perf_counter()
         if plan.delta is not None:
             sent = self._send_delta(plan.delta, begun)
         else:
-            sent = self._gather_and_send(model, begun, plan)
+            sent = self._gather_and_send(model, begun, plan, draft)
         t_sent = time.perf_counter()
         if probe is None:  # the pusher's setting, every probe_every-th push
             probe = self.config.probe if self._pushes % self.config.probe_every == 0 else False
@@ -225,7 +234,8 @@ class WeightPusher:
                               total_s=time.perf_counter() - t0)
         return result
 
-    def _open(self, model: nn.Module, version: int, adapter: bool | None) -> Opening:
+    def _open(self, model: nn.Module, version: int, adapter: bool | None,
+              draft: nn.Module | None) -> Opening:
         """Rank 0: check the replicas, connect, and see whether an adapter or
         a delta may go."""
         assert self.replicas is not None and self.transport is not None
@@ -233,6 +243,11 @@ class WeightPusher:
         serving = self._serving
         restarted = serving.read(self.replicas, version, self.config.on_server_restart)
         assert serving.index is not None
+        draft_bufs = None  # checked before anything connects
+        if draft is not None:
+            draft_bufs = draft_buffers(draft, self.replicas.urls, serving.statuses,
+                                       serving.index.tensors)
+            adapter = False  # the drafter goes with full weights (draft_push.py)
         # Persistent buffers the served checkpoint holds travel with the params.
         buffers = sorted(n for n in persistent_buffers(model)
                          if merge.rename(n) in serving.index.tensors)
@@ -259,7 +274,8 @@ class WeightPusher:
                        {n: t.dtype for n, t in serving.index.tensors.items()}, buffers,
                        base, why, keep_copy=not converted, adapter=spec,
                        adapter_reason=adapter_reason, check=check, senders=senders,
-                       senders_reason=senders_reason, rendezvous=rendezvous)
+                       senders_reason=senders_reason, rendezvous=rendezvous,
+                       draft_buffers=draft_bufs)
 
     def _connect(self, opening: Opening, version: int) -> None:
         """Every rank: join the connection rank 0 drew, if any (several
@@ -279,11 +295,14 @@ class WeightPusher:
     def _plan(self, model: nn.Module, opening: Opening) -> PushPlan:
         """Every rank: a delta if one may go and is worth it (the diff is a
         collective), else what `opening` says (push_plan.py)."""
+        if opening.draft_buffers is not None:
+            return PushPlan(opening, None, "a push with a drafter: dense")
         delta, why_dense = self._delta.plan(model, opening, self.config.bucket_bytes) \
             if self._delta is not None else (None, None)
         return PushPlan(opening, delta, why_dense)
 
-    def _begin(self, model: nn.Module, version: int, plan: PushPlan) -> _Begun:
+    def _begin(self, model: nn.Module, version: int, plan: PushPlan,
+               draft: nn.Module | None) -> _Begun:
         """Rank 0: lay out the buckets (a delta's are planned), begin everywhere."""
         serving = self._serving
         buffers = plan.opening.buffers if plan.sends_buffers else ()
@@ -297,6 +316,8 @@ class WeightPusher:
                 merge = PeftMerge(model)
                 params = CheckpointLayout(merge.base_model).plan(
                     merge.plan(param_plan(model, buffers)))
+            if draft is not None and plan.opening.draft_buffers is not None:
+                params += draft_plan(draft, plan.opening.draft_buffers)
             buckets = plan_buckets(params, serving.serve_dtype, self.config.bucket_bytes,
                                    serving.wire_dtypes, self.config.split_tensors)
         senders, why = self._senders(plan)
@@ -347,13 +368,14 @@ class WeightPusher:
         return Sent(dict(zip(ours, checksums, strict=False)),
                     dict(zip(ours, macs.tags, strict=False)) if macs is not None else {}, err)
 
-    def _gather_and_send(self, model: nn.Module, begun: _Begun, plan: PushPlan) -> Sent:
+    def _gather_and_send(self, model: nn.Module, begun: _Begun, plan: PushPlan,
+                         draft: nn.Module | None = None) -> Sent:
         """Every rank gathers every tensor; rank 0 packs and sends them, or,
         with several senders, each rank its share (sending_ranks.py). An
         error is returned, not raised, so every rank keeps taking part in
         every gather; the commit step then agrees on it."""
         if begun is not None and begun.senders > 1:  # (every rank's, agreed at begin)
-            return self._every_rank_sends(model, begun, plan)
+            return self._every_rank_sends(model, begun, plan, draft)
         # Rank 0's setting for every rank: row blocks are collectives. Half a
         # bucket: rank 0 then holds two send buffers plus at most 0.75 bucket
         # of a gather (a block, or a whole gather of at most a quarter bucket).
@@ -364,7 +386,9 @@ class WeightPusher:
         only = lora.is_factor if lora is not None and plan.encoding == "adapter" else None
         # Buffers are not collectives: only rank 0 reads them.
         buffers = plan.opening.buffers if self.rank == 0 and plan.sends_buffers else ()
-        with drained(iter_full_tensors(model, c.device, buffers, block_bytes, only)) as gathers:
+        draft_bufs = (plan.opening.draft_buffers or []) if self.rank == 0 else ()
+        target = iter_full_tensors(model, c.device, buffers, block_bytes, only)
+        with drained(with_draft(target, draft, c.device, draft_bufs, block_bytes)) as gathers:
             if self.rank != 0:
                 return Sent()  # `drained` runs every gather
             assert self.transport is not None
@@ -373,14 +397,16 @@ class WeightPusher:
                     tensors = lora.convert(gathers, plan.encoding == "adapter+base")
                 else:
                     merge = PeftMerge(model)
-                    tensors = CheckpointLayout(merge.base_model).convert(merge.convert(gathers))
+                    tensors = converted_target(gathers, lambda ts: CheckpointLayout(
+                        merge.base_model).convert(merge.convert(ts)))
                 return self._sent(begun.buckets, *self._sender.send_all(
                     begun.buckets, tensors, self.transport, begun.push_ids,
                     check=self._check), transport=self.transport)
             except Exception as e:  # e.g. a layout conversion; agreed on at the commit
                 return Sent(error=("push", f"{type(e).__name__}: {e}"))
 
-    def _every_rank_sends(self, model: nn.Module, begun: _Begun, plan: PushPlan) -> Sent:
+    def _every_rank_sends(self, model: nn.Module, begun: _Begun, plan: PushPlan,
+                          draft: nn.Module | None) -> Sent:
         """Every rank gathers every tensor and packs and sends the buckets
         its manifest entries name; rank 0 then has every rank's values and
         first error (`gather_sent`). Only a dense push of the model's own
@@ -391,7 +417,9 @@ class WeightPusher:
         buffers = plan.opening.buffers if plan.sends_buffers else ()
         sender: Transport | PeerSender = self.transport if self.rank == 0 else self._peer
         assert sender is not None
-        with drained(iter_full_tensors(model, self.config.device, buffers)) as gathers:
+        device = self.config.device
+        with drained(with_draft(iter_full_tensors(model, device, buffers), draft, device,
+                                plan.opening.draft_buffers or [])) as gathers:
             try:
                 mine = self._sent(begun.buckets, *self._sender.send_all(
                     begun.buckets, gathers, sender, begun.push_ids, sender=self.rank,

@@ -4,6 +4,13 @@
 (every route's path and method)."""
 
 from rollout_sidecar.protocol.schema.adapter_api import AdapterSpec, LoraStatus
+from rollout_sidecar.protocol.schema.drafter_api import (
+    DRAFT,
+    DRAFT_PREFIX,
+    DrafterStatus,
+    DraftOutcome,
+    is_draft,
+)
 from rollout_sidecar.protocol.schema.fields import CommitPolicy, FinishReason
 from rollout_sidecar.protocol.schema.generate_api import (
     ErrorItem,
@@ -49,7 +56,8 @@ from rollout_sidecar.protocol.schema.weights_api import (
 )
 
 __all__ = [
-    "CAPABILITIES", "CHECK_SUM64", "SENDERS", "SENDERS_NCCL",
+    "CAPABILITIES", "CHECK_SUM64", "DRAFT", "DRAFT_PREFIX", "SENDERS", "SENDERS_NCCL",
+    "DraftOutcome", "DrafterStatus", "is_draft",
     "AbortRequest", "AdapterSpec", "BeginRequest", "BeginResponse", "BucketManifest",
     "Check", "CommitPolicy", "CommitRequest", "CommitResponse", "ConnectRequest", "ConnectResponse",
     "DisconnectRequest", "DisconnectResponse", "ErrorItem", "ErrorResponse", "FinishReason",

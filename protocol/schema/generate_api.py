@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout_sidecar.protocol.schema.drafter_api import DrafterStatus
 from rollout_sidecar.protocol.schema.fields import (
     Bool,
     CommitPolicy,
@@ -219,6 +220,9 @@ class InfoResponse(BaseModel):
     quantization: str | None = Field(
         None, description="vLLM's online quantization scheme the server serves in "
         "(`serve --quantization`), or null: served in `dtype`.")
+    drafter: DrafterStatus | None = Field(
+        None, description="The speculative drafter (`serve --speculative-config`): whether "
+        "it is synced with the served weights, and its acceptance since the last commit.")
     max_model_len: int
     vocab_size: int
     weight_version: int

@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from rollout_sidecar.protocol.schema.adapter_api import AdapterSpec, LoraStatus
+from rollout_sidecar.protocol.schema.drafter_api import DrafterStatus, DraftOutcome
 from rollout_sidecar.protocol.schema.fields import (
     Bool,
     CommitPolicy,
@@ -318,6 +319,10 @@ class CommitResponse(BaseModel):
     commit_policy: CommitPolicy = Field(description="The policy the commit used: `abort` if "
                                         "a `wait` drain ran past commit_drain_s.")
     timings: dict[str, float]
+    drafter: DraftOutcome | None = Field(
+        None, description="A server with a speculative drafter: `synced` if this push "
+        "loaded the drafter with the target, `frozen` if it kept its weights "
+        "(drafter_api.py). Null without a drafter.")
 
 
 class AbortRequest(StrictModel):
@@ -374,6 +379,9 @@ class WeightIndex(BaseModel):
         description="Checkpoint tensors vLLM drops at load (e.g. rotary_emb.inv_freq): never "
         "pushed.")
     tie_word_embeddings: bool
+    draft: list[str] = Field(
+        default_factory=list, description="Of `tensors`, the speculative drafter's (`draft.` "
+        "names): a push carries all of them (the drafter synced) or none (frozen).")
 
 
 class WeightStatus(ReplyModel):
@@ -423,6 +431,8 @@ class WeightStatus(ReplyModel):
         None, description="This replica's catch-up from a peer at start (--peers): the peer, "
         "the version, seconds from the catch-up's start to finding it, receiving it and "
         "committing it, or why it did not happen. Null without peers.")
+    drafter: DrafterStatus | None = Field(
+        None, description="The speculative drafter (`serve --speculative-config`), or null.")
     staged_bytes: int | None = Field(
         None, description="Bytes of staging buffers all of this server's workers held when "
         "the last push ended (the staged copy a delta applies to, plus pooled buffers; "

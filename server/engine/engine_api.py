@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from rollout_sidecar.server.config import ServerSettings
     from rollout_sidecar.server.engine.adapter_table import AdapterTable
+    from rollout_sidecar.server.engine.drafter import Drafter
     from rollout_sidecar.server.engine.lifecycle import EngineInfo
     from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track
     from rollout_sidecar.server.engine.version_gate import VersionGate
@@ -34,6 +35,7 @@ class Engine(Protocol):
     index: CheckpointIndex
     gate: VersionGate
     adapters: AdapterTable
+    drafter: Drafter | None  # serve --speculative-config
     tracker: RequestTracker
     llm: Any  # vLLM's AsyncLLM once started (its type is vLLM's, imported lazily)
     tokenizer: Any

@@ -69,6 +69,8 @@ def build(settings: ServerSettings, model_path: Path, index: CheckpointIndex,
         # Online: the checkpoint stays unquantized, vLLM quantizes it at load
         # and again at every reload (layerwise.py re-runs the processing).
         quantization=s.quantization,
+        # A drafter beside the target; ours takes pushes too (engine/drafter.py).
+        speculative_config=s.speculative,
         # -1: the model's own length, lowered by vLLM only if the KV cache
         # cannot hold one sequence of it (vLLM's auto-fit).
         max_model_len=s.max_model_len or -1,

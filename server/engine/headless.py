@@ -30,6 +30,7 @@ from typing import Any
 
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine import engine_config
+from rollout_sidecar.server.engine.drafter import draft_index
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 from rollout_sidecar.server.model.model_source import resolve_model
 
@@ -59,8 +60,8 @@ def run_headless(settings: ServerSettings) -> int:
 
     check(settings)
     path = resolve_model(settings)
-    config = engine_config.build(settings, path, CheckpointIndex.from_checkpoint(path),
-                                 headless=True)
+    index = CheckpointIndex.from_checkpoint(path).with_draft(draft_index(settings.speculative))
+    config = engine_config.build(settings, path, index, headless=True)
     pc = config.vllm_config.parallel_config
     log.info("headless node %d of %d: workers of the engine at %s:%d; %s", pc.node_rank,
              pc.nnodes, pc.master_addr, pc.master_port, config.why)

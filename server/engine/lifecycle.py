@@ -20,6 +20,7 @@ from typing import Any
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine import engine_config
 from rollout_sidecar.server.engine.adapter_table import AdapterTable
+from rollout_sidecar.server.engine.drafter import Drafter, draft_index
 from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track, abort_quietly
 from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
@@ -46,7 +47,11 @@ class GenerationEngine:
         self.model_path = model_path
         self.metrics = metrics
         self.boot_id = boot_id
-        self.index = CheckpointIndex.from_checkpoint(model_path)
+        speculative = settings.speculative
+        self.index = CheckpointIndex.from_checkpoint(model_path).with_draft(
+            draft_index(speculative))
+        self.drafter = Drafter(speculative, self.index, metrics.acceptance) \
+            if speculative else None
         self.gate = VersionGate(0)
         # Which LoRA adapter each version serves with (None: the full weights alone).
         self.adapters = AdapterTable(settings, boot_id)

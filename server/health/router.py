@@ -66,4 +66,5 @@ async def info(request: Request) -> InfoResponse:
         transports=transports(),
         logprobs_mode=engine.info.logprobs_mode,
         quantization=engine.info.quantization,
+        drafter=engine.drafter.status(engine.gate.version) if engine.drafter else None,
     )

@@ -3,6 +3,8 @@ build several apps in one process without duplicate-metric errors)."""
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -38,6 +40,25 @@ class TokenLagHistogram:
             cumulative += n
             buckets.append((bound, cumulative))
         yield HistogramMetricFamily(self.NAME, self.HELP, buckets=buckets, sum_value=self.total)
+
+
+@dataclass
+class Acceptance:
+    """Drafted and accepted tokens since the last reset (a commit); fed by
+    the stat logger below from vLLM's `SpecDecodingStats`."""
+
+    drafted: int = 0
+    accepted: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        with self._lock:
+            self.drafted += drafted
+            self.accepted += accepted
+
+    def reset(self) -> None:
+        with self._lock:
+            self.drafted = self.accepted = 0
 
 
 class ServerMetrics:
@@ -120,6 +141,19 @@ class ServerMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r,
         )
         self.token_lag = TokenLagHistogram(r)
+        # Speculative decoding (vLLM's spec_decode counters, under our names).
+        self.draft_tokens = Counter(
+            "rollout_sidecar_spec_decode_draft_tokens_total", "Tokens the drafter proposed.",
+            registry=r)
+        self.accepted_tokens = Counter(
+            "rollout_sidecar_spec_decode_accepted_tokens_total", "Proposed tokens the target "
+            "accepted.", registry=r)
+        self.acceptance = Acceptance()  # since the last commit (engine/drafter.py)
+
+    def drafted(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
+        self.acceptance.add(drafted, accepted)
 
     def stat_logger_factory(self) -> Any:
         """A vLLM stat-logger class that copies scheduler stats into our gauges."""
@@ -136,6 +170,9 @@ class ServerMetrics:
                 if scheduler_stats is not None:
                     metrics.running.set(scheduler_stats.num_running_reqs)
                     metrics.waiting.set(scheduler_stats.num_waiting_reqs)
+                    spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+                    if spec is not None:
+                        metrics.drafted(spec.num_draft_tokens, spec.num_accepted_tokens)
                 if iteration_stats is not None:
                     metrics.engine_generation_tokens.inc(iteration_stats.num_generation_tokens)
 

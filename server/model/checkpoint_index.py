@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from rollout_sidecar.protocol.schema import DRAFT_PREFIX
+
 # vLLM's AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER drops these.
 IGNORED_SUFFIXES = ("rotary_pos_emb.inv_freq", "rotary_emb.inv_freq", "rotary_emb.cos_cached",
                     "rotary_emb.sin_cached")
@@ -48,6 +50,19 @@ class CheckpointIndex:
     tensors: dict[str, TensorSpec]
     tie_word_embeddings: bool
     ignored: frozenset[str] = frozenset()
+    # A speculative drafter's tensors, also in `tensors` under their `draft.`
+    # names (protocol/schema/drafter_api.py): a push carries all or none.
+    draft: frozenset[str] = frozenset()
+
+    def with_draft(self, draft: CheckpointIndex | None) -> CheckpointIndex:
+        """This index and a drafter's checkpoint, its names prefixed."""
+        if draft is None:
+            return self
+        named = {DRAFT_PREFIX + n: t for n, t in draft.tensors.items()}
+        return CheckpointIndex(tensors={**self.tensors, **named},
+                               tie_word_embeddings=self.tie_word_embeddings,
+                               ignored=self.ignored | {DRAFT_PREFIX + n for n in draft.ignored},
+                               draft=frozenset(named))
 
     @cached_property
     def bulk_dtype(self) -> str | None:

@@ -26,6 +26,7 @@ from typing import Any
 from rollout_sidecar.protocol.schema import (
     CommitRequest,
     CommitResponse,
+    DraftOutcome,
     LastPush,
     PrepareRequest,
     PrepareResponse,
@@ -36,6 +37,7 @@ from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.data_plane import DataPlane
+from rollout_sidecar.server.weights.manifest_check import carries_draft
 from rollout_sidecar.server.weights.ops import WorkerCallFailed, WorkerOp
 from rollout_sidecar.server.weights.push_session import Push, PushFailed, PushSession, PushState
 from rollout_sidecar.server.weights.worker_requests import Check, Load, Patch, Relabel
@@ -166,6 +168,7 @@ class CommitPhases:
                 # Before the publish: requests already finished keep the old tag.
                 self.engine.freeze_finished()
                 await gate.publish(push.req.version, mode)
+                drafter = self._drafter_after(push)
                 if mode == "keep":  # runs that would fall behind their bound start again
                     await self.engine.restart_lagging(push.req.version)
                 lap("publish_s")
@@ -186,7 +189,19 @@ class CommitPhases:
             weight_version=push.req.version, push_id=push.push_id, commit_policy=mode,
             timings={"transfer_s": t0 - push.started, "check_s": t_checked - t0,
                      "commit_s": t1 - t_checked, "gate_hold_s": gate.last_hold_s,
-                     "total_s": t1 - push.started, **lap.spent})
+                     "total_s": t1 - push.started, **lap.spent},
+            drafter=drafter)
+
+    def _drafter_after(self, push: Push) -> DraftOutcome | None:
+        """What the published push did to the drafter, if there is one."""
+        d = self.engine.drafter
+        if d is None:
+            return None
+        if push.req.unchanged:
+            assert push.req.delta_base is not None
+            return d.relabeled(push.req.delta_base, push.req.version)
+        return d.committed(push.req.version,
+                           carries_draft(push.req) and not push.req.adapter_only)
 
     async def _load(self, push: Push) -> None:
         gate, v, adapter = self.engine.gate, push.req.version, push.req.adapter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_sidecar.protocol.schema import BeginRequest, TensorSlot
+from rollout_sidecar.protocol.schema import BeginRequest, TensorSlot, is_draft
 from rollout_sidecar.protocol.schema.weights_api import dtype_itemsize
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
@@ -66,6 +66,16 @@ def _patch_size(p: TensorSlot, f: str) -> int:
     return p.length
 
 
+def _frozen_draft(index: CheckpointIndex, seen: set[str]) -> frozenset[str]:
+    """The drafter's tensors when the push carries none of them."""
+    return index.draft if not index.draft & seen else frozenset()
+
+
+def carries_draft(req: BeginRequest) -> bool:
+    """Whether a (checked) push loads the drafter too."""
+    return any(is_draft(p.name) for b in req.buckets for p in b.params)
+
+
 def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
                    max_lora_rank: int = 0) -> None:
     """Raise `BadRequest` naming the first offending field."""
@@ -95,6 +105,10 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
             if spec is None and p.name in index.ignored:
                 raise BadRequest(f"{p.name!r} is in the checkpoint but vLLM drops it at load "
                                  "(see GET /weights/index 'ignored'); leave it out", f"{f}.name")
+            if spec is None and is_draft(p.name) and not index.draft:
+                raise BadRequest(f"{p.name!r} is a drafter's tensor, but this server has no "
+                                 "drafter that takes pushes (serve --speculative-config with a "
+                                 "drafter checkpoint of its own; see /info)", f"{f}.name")
             if spec is None:
                 raise BadRequest(f"unknown parameter {p.name!r}: the served checkpoint has no "
                                  "such tensor (check name normalisation)", f"{f}.name")
@@ -129,9 +143,10 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
         factors.finish()
         if req.adapter_only:  # the factors alone
             return
-    missing = sorted(set(index.tensors) - seen)
+    missing = sorted(set(index.tensors) - seen - _frozen_draft(index, seen))
     # Every push is complete: vLLM's layerwise reload rebuilds a fused layer
     # (q/k/v, gate/up) from what was pushed, so a partial push would zero the rest.
+    # The drafter's tensors are complete too, or absent (the drafter frozen).
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise BadRequest(f"push is missing {', '.join(missing[:5])}{more}; every push must "

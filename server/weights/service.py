@@ -22,6 +22,7 @@ from typing import Any
 from rollout_sidecar.protocol.data_plane.bucket_check import crc32_of_bytes
 from rollout_sidecar.protocol.schema import (
     CAPABILITIES,
+    DRAFT,
     BeginRequest,
     BeginResponse,
     CommitRequest,
@@ -141,20 +142,26 @@ class WeightService:
             connected=self.plane.owner.id if self.plane.owner else None,
             data_plane_port=self.plane.port, data_plane_ranks=self.plane.ranks,
             staging_layout=self.layout.describe() if self.layout else None,
-            transports=transports(), capabilities=list(CAPABILITIES),
+            transports=transports(), capabilities=self.capabilities(),
             push_timeout_s=self.settings.push_timeout_s,
             commit_drain_s=self.settings.commit_drain_s, last_push=self.session.last,
             last_probe=self.last_probe, suspect=gate.suspect.get(gate.version),
             broken=gate.broken, delta_base=self.commits.delta_base,
             lora=self.engine.adapters.status(), staged_bytes=self.commits.staged_bytes,
-            catch_up=dict(self.peer_copy.timeline) or None)
+            catch_up=dict(self.peer_copy.timeline) or None,
+            drafter=drafter.status(gate.version) if (drafter := self.engine.drafter) else None)
+
+    def capabilities(self) -> list[str]:
+        """What this server takes beyond the first protocol (weights_api.py)."""
+        return [*CAPABILITIES, *([DRAFT] if self.engine.index.draft else [])]
 
     def index(self) -> WeightIndex:
         idx, serve = self.engine.index, self.engine.info.dtype
         return WeightIndex(
             tensors={n: TensorInfo(shape=list(t.shape), dtype=idx.push_dtype(t, serve))
                      for n, t in idx.tensors.items()},
-            ignored=sorted(idx.ignored), tie_word_embeddings=idx.tie_word_embeddings)
+            ignored=sorted(idx.ignored), tie_word_embeddings=idx.tie_word_embeddings,
+            draft=sorted(idx.draft))
 
     # -------------------------------------------------------- connect, begin
 

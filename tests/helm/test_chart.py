@@ -4,6 +4,7 @@ Kubernetes API schemas: what `helm install` would create, without a cluster."""
 from __future__ import annotations
 
 import base64
+import json
 import re
 import shlex
 import shutil
@@ -434,6 +435,19 @@ def test_quantization_reaches_the_server_only_when_set(render) -> None:
     env = {e["name"]: e.get("value") for e in server_container(render(
         server={"quantization": "fp8_per_block"}))["env"]}
     assert env["ROLLOUT_SIDECAR_QUANTIZATION"] == "fp8_per_block"
+
+
+def test_speculative_config_reaches_the_server_as_json(render) -> None:
+    plain = {e["name"] for e in server_container(render())["env"]}
+    assert "ROLLOUT_SIDECAR_SPECULATIVE_CONFIG" not in plain
+    spec = {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3}
+    env = {e["name"]: e.get("value") for e in server_container(render(
+        server={"speculativeConfig": spec}))["env"]}
+    assert json.loads(env["ROLLOUT_SIDECAR_SPECULATIVE_CONFIG"]) == spec
+    from rollout_sidecar.server.config import ServerSettings  # the server parses it so
+
+    assert ServerSettings(speculative_config=env["ROLLOUT_SIDECAR_SPECULATIVE_CONFIG"]
+                          ).speculative == spec
 
 
 def test_port_range_follows_values(render) -> None:

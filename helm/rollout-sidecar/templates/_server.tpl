@@ -53,6 +53,10 @@ Public named templates, each rendering YAML list items; call them with this char
     - name: ROLLOUT_SIDECAR_QUANTIZATION
       value: {{ $s.quantization | quote }}
     {{- end }}
+    {{- if $s.speculativeConfig }}
+    - name: ROLLOUT_SIDECAR_SPECULATIVE_CONFIG
+      value: {{ $s.speculativeConfig | toJson | quote }}
+    {{- end }}
     - name: ROLLOUT_SIDECAR_CACHE_DIR
       value: {{ $v.cache.mountPath | quote }}
     {{- with (include "rollout-sidecar.modelPath" $ctx) }}

@@ -27,6 +27,10 @@ parameters is short, every layer is put back as it was (nothing was copied into
 the live tensors yet) and the push fails with the layers named. Tied aliases
 are recognised by parameter identity and re-processed after the load.
 
+A speculative drafter (draft_loading.py) loads in the same call: both models
+are counted before either is written, so a drafter that would be short
+leaves the target untouched too.
+
 Tied to vLLM 0.32's private reload internals; pyproject pins `<0.33`.
 """
 
@@ -216,21 +220,63 @@ def _classify(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Module],
     return short, tied, elements
 
 
-def load_all_or_nothing(model: torch.nn.Module, model_config: Any,
-                        weights: Iterable[tuple[str, torch.Tensor]]) -> ReloadReport:
-    """Load `weights` (checkpoint names and layout) into the live model.
+@dataclass
+class _Staged:
+    """One model's load, its weights taken in and counted, its live tensors
+    not yet written: `apply` writes them, `abandon` puts every layer back."""
 
-    Raises `LoadRefused` (model untouched) if any layer with parameters would
-    not be fully written, or if vLLM's loaders reject a tensor.
-    """
-    from vllm.model_executor.model_loader.reload import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
-    )
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        _place_kernel_tensors,
-        get_layerwise_info,
-    )
+    model: torch.nn.Module
+    model_config: Any
+    unmanaged: list[tuple[torch.Tensor, torch.Tensor]]
+    deferred: list[tuple[torch.nn.Module, Any]]
+    tied: list[torch.nn.Module]
+    elements: int
+
+    def abandon(self) -> None:
+        _restore_untouched(self.model, self.unmanaged)
+
+    def apply(self) -> ReloadReport:
+        """Process every layer into the live tensors (past the point of no return)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _place_kernel_tensors,
+            get_layerwise_info,
+        )
+
+        model, tied = self.model, self.tied
+        names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        skip = fire("quant.skip")  # a test's un-requantized layer (failpoints.py)
+        with _skipping(names, skip) as process:
+            for layer, info in self.deferred:
+                # A skipped layer keeps its kernel too: it is not set up again.
+                with contextlib.nullcontext() if names[id(layer)] == skip else \
+                        _as_first_load(layer):
+                    process(layer, info)
+            for layer in tied:
+                info = get_layerwise_info(layer)
+                _place_kernel_tensors(layer, info)
+                info.reset()
+            # What vLLM processes itself at the end (attention, layers with padding
+            # never loaded) goes through `process` too.
+            finalize_layerwise_reload(model, self.model_config)
+        for layer in tied:
+            # Rebuild what processing derives from the (now updated) shared weight,
+            # e.g. the CPU oneDNN prepack of a tied lm_head.
+            method = getattr(layer, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(layer)
+        report = ReloadReport(layers=len(self.deferred), elements=self.elements,
+                              tied=[names[id(m)] for m in tied])
+        log.info("reloaded %d layers, %d elements; re-processed tied %s", report.layers,
+                 report.elements, report.tied or "none")
+        return report
+
+
+def _stage(model: torch.nn.Module, model_config: Any,
+           weights: Iterable[tuple[str, torch.Tensor]], what: str) -> _Staged:
+    """Take `weights` into `model`'s reload buffers; raise `LoadRefused`, the
+    model as it was, if a layer would be short or vLLM's loader refuses."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
     unmanaged = _snapshot_unmanaged(model)
     initialize_layerwise_reload(model)
@@ -241,35 +287,43 @@ def load_all_or_nothing(model: torch.nn.Module, model_config: Any,
         short, tied, elements = _classify(model)
     except BaseException as e:
         _restore_untouched(model, unmanaged)
-        raise LoadRefused(f"vLLM's loader rejected the push: {e}") from e
+        raise LoadRefused(f"vLLM's loader rejected the push{what}: {e}") from e
     if short:
         _restore_untouched(model, unmanaged)
         more = f" and {len(short) - 6} more" if len(short) > 6 else ""
-        raise LoadRefused(f"layers would keep stale weights: {'; '.join(short[:6])}{more}")
+        raise LoadRefused(f"layers{what} would keep stale weights: {'; '.join(short[:6])}{more}")
+    return _Staged(model, model_config, unmanaged, deferred, tied, elements)
+
+
+@dataclass(frozen=True)
+class DraftLoad:
+    """The speculative drafter's model and the weights it takes in the same load."""
+
+    model: torch.nn.Module
+    model_config: Any
+    weights: Iterable[tuple[str, torch.Tensor]]
+
+
+def load_all_or_nothing(model: torch.nn.Module, model_config: Any,
+                        weights: Iterable[tuple[str, torch.Tensor]],
+                        draft: DraftLoad | None = None) -> ReloadReport:
+    """Load `weights` (checkpoint names and layout) into the live model, and
+    `draft`'s into the drafter: both, or neither.
+
+    Raises `LoadRefused` (both models untouched) if any layer with
+    parameters would not be fully written, or if vLLM's loaders reject a
+    tensor. Both are counted before either is written.
+    """
+    target = _stage(model, model_config, weights, "")
+    drafter = None
+    if draft is not None:
+        try:
+            drafter = _stage(draft.model, draft.model_config, draft.weights, " (drafter)")
+        except BaseException:
+            target.abandon()
+            raise
     # From here on the live tensors change.
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    skip = fire("quant.skip")  # a test's un-requantized layer (failpoints.py)
-    with _skipping(names, skip) as process:
-        for layer, info in deferred:
-            # A skipped layer keeps its kernel too: it is not set up again.
-            with contextlib.nullcontext() if names[id(layer)] == skip else \
-                    _as_first_load(layer):
-                process(layer, info)
-        for layer in tied:
-            info = get_layerwise_info(layer)
-            _place_kernel_tensors(layer, info)
-            info.reset()
-        # What vLLM processes itself at the end (attention, layers with padding
-        # never loaded) goes through `process` too.
-        finalize_layerwise_reload(model, model_config)
-    for layer in tied:
-        # Rebuild what processing derives from the (now updated) shared weight,
-        # e.g. the CPU oneDNN prepack of a tied lm_head.
-        method = getattr(layer, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(layer)
-    report = ReloadReport(layers=len(deferred), elements=elements,
-                          tied=[names[id(m)] for m in tied])
-    log.info("reloaded %d layers, %d elements; re-processed tied %s", report.layers,
-             report.elements, report.tied or "none")
+    report = target.apply()
+    if drafter is not None:
+        drafter.apply()
     return report

@@ -39,6 +39,7 @@ from rollout_sidecar.server.weights.worker.adapter_loading import (
     stage_adapter,
 )
 from rollout_sidecar.server.weights.worker.bucket_receive import ReceiveThread
+from rollout_sidecar.server.weights.worker.draft_loading import draft_load, split_draft
 from rollout_sidecar.server.weights.worker.group_membership import GroupMembership, StagedInitInfo
 from rollout_sidecar.server.weights.worker.host_share import StagingRole, host_view
 from rollout_sidecar.server.weights.worker.load_failpoints import (
@@ -69,6 +70,8 @@ log = logging.getLogger(__name__)
 
 class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
     init_info_cls = StagedInitInfo
+    # vLLM loads a drafter in a session of its own; ours loads with the target
+    # (draft_loading.py), so vLLM's separate draft update stays off.
     supports_draft_weight_update = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -86,6 +89,9 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
         self._receiver: ReceiveThread | None = None  # this push's, once it receives
         self._patched = False  # a delta's patches are in the staged copy (PATCH)
         self._checked = False
+        # The speculative drafter's model and config, if any (draft_loading.py);
+        # worker_calls.py binds it, since vLLM hands an engine the target alone.
+        self.drafter: tuple[torch.nn.Module, Any] | None = None
 
     # ------------------------------------------------------------ side channel
 
@@ -313,9 +319,10 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
         if self._delta_base is not None and not self._patched:
             raise LoadRefused("a delta's load needs its patches applied first (PATCH)")
         self.resident.version = None
-        weights = loaded_with_failpoints(self.staging.tensors(), self.model_config.model,
-                                    self._worker_rank())
-        load_all_or_nothing(self.model, self.model_config, weights)
+        target, draft = split_draft(loaded_with_failpoints(
+            self.staging.tensors(), self.model_config.model, self._worker_rank()))
+        load_all_or_nothing(self.model, self.model_config, target,
+                            draft_load(self.drafter, draft))
         self.resident.version = version  # kept: the next delta's base
         self._release_patches()
 
@@ -330,9 +337,10 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
                       request.keep_ids)
         if not self._adapter_only:  # the staged copy now holds base + factors: no delta base
             self.resident.version = None
-            load_all_or_nothing(self.model, self.model_config,
-                                loaded_with_failpoints(base, self.model_config.model,
-                                                  self._worker_rank()))
+            target, draft = split_draft(loaded_with_failpoints(
+                base, self.model_config.model, self._worker_rank()))
+            load_all_or_nothing(self.model, self.model_config, target,
+                                draft_load(self.drafter, draft))
         self.patches.release()
 
     def finish_weight_update(self) -> None:

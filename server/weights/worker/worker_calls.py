@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
+from rollout_sidecar.server.weights.worker.draft_loading import drafter_of
 from rollout_sidecar.server.weights.worker.reload import LoadRefused
 from rollout_sidecar.server.weights.worker_requests import parse
 
@@ -41,6 +42,8 @@ def run_call(worker: Any, op: str, payload: dict) -> dict:
         engine = worker.weight_transfer_engine
         if engine is None:
             raise RuntimeError("weight transfer is not configured on this worker")
+        if engine.drafter is None:
+            engine.drafter = drafter_of(worker)
         if op in _SIDE_OPS:
             faulthandler.dump_traceback_later(SIDE_OP_STACKS_AFTER_S, file=sys.stderr)
             try:
