@@ -21,6 +21,7 @@ from rollout_sidecar.client import GenerationClient
 from rollout_sidecar.trainer import PartialCommitError, ReplicaLostError, WeightPushError
 from tests.conftest import ServerSpec, serves, start_server, stop_server
 from tests.e2e.chaos import PHASES, Freezer, Traffic, frozen_at, timed
+from tests.e2e.push_worker import samples_alone
 from tests.e2e.test_push import assert_pushed, run_worker
 from tests.polling import until
 
@@ -133,9 +134,8 @@ def test_a_push_under_rollouts_reaches_both_replicas_identically(pair, tmp_path)
     # it with different requests, and CPU kernels are not batch-invariant.
     same = []
     for s in pair.servers:
-        with s.client() as c:
-            o = c.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling=dict(
-                n=4, max_tokens=24, temperature=1.0, seed=7))
+        with s.client() as c:  # each sample alone in the engine (push_worker.samples_alone)
+            o = samples_alone(c, [5, 6, 7, 8])
         same.append((o.weight_version, [(x.token_ids, x.logprobs) for x in o.results[0].samples]))
     assert same[0][0] == same[1][0] == v + 1 and same[0][1] == same[1][1]
     assert not errors, errors[:5]
