@@ -13,8 +13,9 @@ push (the `quant.skip` failpoint, as verl 7986's skipped repack): the served
 logprobs then differ from the fresh server's. The probe's tolerance and floor
 are a quantized server's (trainer/probe.py).
 
-A dense model under this scheme has nothing quantized, so its bf16 fidelity
-test (test_fidelity.py) is its proof; the fp8 schemes need a GPU
+A dense Llama under this scheme has nothing quantized (vLLM 0.32's shorthand
+quantizes experts only): it runs the same test, its proof that the scheme
+leaves a dense model's reload exact; the fp8 schemes need a GPU
 (docs/fast-rollouts.md says what their reload does, read in vLLM's code).
 """
 
@@ -28,7 +29,11 @@ from tests.conftest import ServerSpec, serves, start_server, stop_server
 from tests.fidelity.test_fidelity import FamilyServer, run_worker
 
 SCHEME = "int8_per_channel_weight_only"
-SKIPPED_LAYER = "model.layers.0.mlp.experts.routed_experts"  # vLLM's FusedMoE module
+# The layer whose processing the negative control skips, per family: vLLM's
+# FusedMoE module (int8 experts), or a dense model's linear layer (bf16 under
+# this scheme: the same reload, with nothing to quantize).
+SKIPPED_LAYER = {"qwen3-moe": "model.layers.0.mlp.experts.routed_experts",
+                 "llama-tied-gqa": "model.layers.0.mlp.down_proj"}
 
 
 def _has_amx() -> bool:
@@ -49,7 +54,7 @@ def quant_spec(family: str) -> ServerSpec:
                          dtype="bfloat16", family=family, failpoints=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe"])
+@pytest.fixture(scope="module", params=list(SKIPPED_LAYER))
 @serves(*([quant_spec] if HAS_AMX else []))  # the plan starts no server a CPU cannot run
 def quant_family(request, server_plan):
     yield from _serve_spec(server_plan, request.param)
@@ -78,7 +83,7 @@ def fresh_scores(tmp_path: Path, run: dict) -> list[float]:
 def test_every_push_is_requantized_as_a_fresh_load(quant_family, tmp_path):
     runs = run_worker(quant_family, tmp_path, scenario="quant",
                       extra=["--failpoints", str(quant_family.failpoints),
-                             "--skip-layer", SKIPPED_LAYER])
+                             "--skip-layer", SKIPPED_LAYER[quant_family.family]])
     assert [r["wrapper"] for r in runs] == ["fsdp2", "fsdp2+step2", "fsdp2+skipped"]
     # Pushing the checkpoint's own weights back re-quantizes them to the same bits.
     assert runs[0]["identity"]["max_abs_diff"] == 0.0, runs[0]["identity"]
