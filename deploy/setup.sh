@@ -13,7 +13,8 @@ extras="cpu,demo"
 [[ "${1:-}" == "--test" ]] && extras="cpu,demo,test"
 # Done already for this pyproject.toml and these extras: skip pip (a re-run of
 # the README commands then starts in seconds).
-stamp=".venv/.installed-$(cat pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)-${extras//,/-}"
+stamp=".venv/.installed-$(cat pyproject.toml deploy/setup.sh tests/integrations/frameworks.txt \
+  | sha256sum | cut -c1-16)-${extras//,/-}"
 quiet_pip() { .venv/bin/python -m pip "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 # uv installs the same requirements with pip's find-links, indexes and
 # constraints (this machine's or the environment's), on every core: about 40 s
@@ -40,6 +41,12 @@ if [[ ! -f "$stamp" ]]; then
     quiet_pip install -q -e ".[${extras}]"
   fi
   quiet_pip uninstall -q -y torchvision torchaudio torchcodec
+  if [[ "$extras" == *test* ]]; then
+    # Frameworks whose pins conflict with the engine's, apart and without
+    # their dependencies (tests/integrations/frameworks.txt says why).
+    rm -rf .venv/frameworks
+    quiet_pip install -q --no-deps --target .venv/frameworks -r tests/integrations/frameworks.txt
+  fi
 fi
 .venv/bin/python -c "import rollout_sidecar.server.cli, vllm, transformers" \
   || { rm -f .venv/.installed-*; echo "setup failed: the engine does not import" >&2; exit 1; }

@@ -114,6 +114,18 @@ def hf_forward(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
+class LogitsOf(nn.Module):
+    """A function from input ids to logits as the probe's module (a push from
+    named tensors has no module of its own: pusher.push_tensors)."""
+
+    def __init__(self, logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.logits(input_ids)
+
+
 @contextmanager
 def _eval(model: nn.Module) -> Any:
     # Dropout off for the probe; the training mode comes back afterwards.

@@ -66,6 +66,10 @@ class PushResult:
     senders_reason: str | None = None  # why one, where every rank was asked to send
     check: str = "crc32"  # each bucket's integrity check (bucket_check.py)
     elements: int | None = None  # a delta: elements of the whole model
+    held_bytes: int | None = None
+    """A push from named tensors: the most bytes held at once because they
+    came before their bucket's turn (the first push, whose order is a guess;
+    0 once the order is learned: gather/named_tensors.py)."""
     drafter: str | None = None
     """Replicas with a speculative drafter: "synced" (this push loaded it with
     the target on every one) or "frozen" (it kept older weights on some:

@@ -26,24 +26,21 @@ phase by the servers' push deadline (`/weights/status`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 
-from rollout_sidecar.protocol.data_plane.bucket_check import preferred_check
-from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
-from rollout_sidecar.protocol.schema import CHECK_SUM64, BucketManifest, Check, CommitPolicy
-from rollout_sidecar.protocol.transports import transport as transport_kind
+from rollout_sidecar.protocol.schema import BucketManifest, Check, CommitPolicy
 from rollout_sidecar.trainer.adapter.adapter_push import AdapterPush
 from rollout_sidecar.trainer.adapter.lora_adapter import LoraAdapter
 from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.control.serving_state import ServingState
-from rollout_sidecar.trainer.delta.delta_push import DeltaPlan, DeltaPush, replicas_base
+from rollout_sidecar.trainer.delta.delta_push import DeltaPlan, DeltaPush
 from rollout_sidecar.trainer.draft_push import (
     converted_target,
-    draft_buffers,
     draft_plan,
     with_draft,
 )
@@ -54,22 +51,21 @@ from rollout_sidecar.trainer.gather.full_tensors import (
     iter_full_tensors,
     meta_modules,
     param_plan,
-    persistent_buffers,
 )
+from rollout_sidecar.trainer.gather.named_tensors import NamedLayout, NamedTensors
 from rollout_sidecar.trainer.gather.peft_merge import PeftMerge
 from rollout_sidecar.trainer.pack.bucket_senders import assign_senders
 from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
 from rollout_sidecar.trainer.pack.sender import BucketSender
-from rollout_sidecar.trainer.probe import Forward, commit_with_forward, probe_push
+from rollout_sidecar.trainer.probe import Forward, LogitsOf, commit_with_forward, probe_push
 from rollout_sidecar.trainer.push_config import PushConfig
-from rollout_sidecar.trainer.push_opening import Opening
+from rollout_sidecar.trainer.push_opening import Opening, open_push
 from rollout_sidecar.trainer.push_plan import PushPlan, drained
 from rollout_sidecar.trainer.push_result import PushResult
-from rollout_sidecar.trainer.rank_agreement import agree, any_rank, broadcast, rank, world
+from rollout_sidecar.trainer.rank_agreement import agree, any_rank, broadcast, rank
 from rollout_sidecar.trainer.release import close_parts, close_when_gone
 from rollout_sidecar.trainer.sending_ranks import (
     Sent,
-    choose_senders,
     connect_every_rank,
     gather_sent,
 )
@@ -119,6 +115,7 @@ class WeightPusher:
         self._delta = DeltaPush(self.config.delta_copy, self.config.delta_dense_above) \
             if self.config.delta is not False else None
         self._adapter = AdapterPush(self.config.adapter)
+        self._named = NamedLayout()  # a named-tensor stream's order, learned (push_tensors)
         # Rank 0 alone talks to the servers: the others hold no connection.
         self.replicas: ReplicaAdmins | None = None
         self.transport: Transport | None = None
@@ -164,8 +161,37 @@ class WeightPusher:
         the same commit (draft_push.py); without it their drafter stays
         frozen, and `PushResult.drafter` says so.
         """
+        return self._push(model, version, probe, probe_tolerance, adapter, draft)
+
+    def push_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]] | None, version: int,
+                     *, every_rank: bool = True,
+                     probe: nn.Module | Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     probe_tolerance: float | None = None) -> PushResult:
+        """Push `(name, full tensor)` pairs as `version`: what frameworks hand
+        over instead of a module (verl's `get_per_tensor_param()`, a state
+        dict's `items()`); call it on every rank. Names are the served
+        checkpoint's (`GET /weights/index`); every tensor it lists comes
+        once, each at its shape, in any order (gather/named_tensors.py).
+        `every_rank`: every rank yields every tensor in the same order (each
+        may be a collective), so each can send its share; with False, rank
+        0's tensors are read and the others pass None. The push is dense (no
+        shard copy to diff) and all or nothing as any other. `probe`: a
+        module whose forward takes `input_ids` (the policy), or a function
+        from input ids to logits, for the post-push probe; none: no probe.
+        """
+        forward = None if probe is None else probe if isinstance(probe, nn.Module) \
+            else LogitsOf(probe)
+        return self._push(NamedTensors(tensors, every_rank), version,
+                          forward if forward is not None else False, probe_tolerance,
+                          False, None)
+
+    def _push(self, model: nn.Module | NamedTensors, version: int,
+              probe: bool | Forward | nn.Module | None, probe_tolerance: float | None,
+              adapter: bool | None, draft: nn.Module | None) -> PushResult:
         t0 = time.perf_counter()
-        bad = meta_modules(model) + (meta_modules(draft) if draft is not None else [])
+        named = model if isinstance(model, NamedTensors) else None
+        bad = [] if named is not None else meta_modules(model)
+        bad += meta_modules(draft) if draft is not None else []
         if any_rank(bool(bad)):
             raise MetaDeviceError(
                 "refusing to push: parameters still on the meta device in modules "
@@ -174,15 +200,23 @@ class WeightPusher:
 
         opening: Opening = agree(lambda: self._open(model, version, adapter, draft)
                                  if self.rank == 0 else None)
+        if named is not None:  # the probe runs on the module or function given
+            model, probe = (probe if isinstance(probe, nn.Module) else nn.Module()), \
+                (probe is not False)
+            source: nn.Module | NamedTensors = named
+        else:
+            source = model
         self._connect(opening, version)
         t_opened = time.perf_counter()
-        plan = self._plan(model, opening)  # every rank: the same plan
+        plan = self._plan(source, opening)  # every rank: the same plan
         diff_s = time.perf_counter() - t_opened  # every rank's diff and the counts
-        begun: _Begun = agree(lambda: self._begin(model, version, plan, draft)
+        begun: _Begun = agree(lambda: self._begin(source, version, plan, draft)
                               if self.rank == 0 else None)
         t_begun = time.perf_counter()
         if plan.delta is not None:
             sent = self._send_delta(plan.delta, begun)
+        elif named is not None:
+            sent = self._send_named(named, begun, opening)
         else:
             sent = self._gather_and_send(model, begun, plan, draft)
         t_sent = time.perf_counter()
@@ -209,6 +243,8 @@ class WeightPusher:
         result.encoding, result.delta_base = plan.encoding, plan.delta_base
         result.adapter_reason = opening.adapter_reason
         result.senders, result.senders_reason = begun.senders, begun.senders_reason
+        if named is not None:
+            result.held_bytes = self._named.held_bytes
         result.check = opening.check
         if plan.delta is not None:
             result.timings["diff_s"] = diff_s
@@ -234,48 +270,13 @@ class WeightPusher:
                               total_s=time.perf_counter() - t0)
         return result
 
-    def _open(self, model: nn.Module, version: int, adapter: bool | None,
+    def _open(self, source: nn.Module | NamedTensors, version: int, adapter: bool | None,
               draft: nn.Module | None) -> Opening:
-        """Rank 0: check the replicas, connect, and see whether an adapter or
-        a delta may go."""
+        """Rank 0: read the replicas and connect (push_opening.py)."""
         assert self.replicas is not None and self.transport is not None
-        merge = PeftMerge(model)  # a PEFT model sends merged weights (or is refused here)
-        serving = self._serving
-        restarted = serving.read(self.replicas, version, self.config.on_server_restart)
-        assert serving.index is not None
-        draft_bufs = None  # checked before anything connects
-        if draft is not None:
-            draft_bufs = draft_buffers(draft, self.replicas.urls, serving.statuses,
-                                       serving.index.tensors)
-            adapter = False  # the drafter goes with full weights (draft_push.py)
-        # Persistent buffers the served checkpoint holds travel with the params.
-        buffers = sorted(n for n in persistent_buffers(model)
-                         if merge.rename(n) in serving.index.tensors)
-        t = self.transport
-        on_device = transport_kind(t.name).on_device
-        check = preferred_check(on_device, all(CHECK_SUM64 in s.capabilities
-                                               for s in serving.statuses))
-        senders, senders_reason = choose_senders(self.config.senders, t.name, world(),
-                                                 serving.statuses)
-        rendezvous = None
-        if senders > 1 and isinstance(t, DistributedTransport):
-            rendezvous = t.plan_connect(serving.statuses, senders)  # every rank joins it
-        else:
-            t.ensure_connected(serving.statuses)
-        spec, adapter_reason = self._adapter.choose(model, serving.statuses,
-                                                    self.replicas.urls, adapter)
-        converted = merge.active or CheckpointLayout(merge.base_model).active
-        if converted:  # what travels is computed from several tensors: no shard to diff
-            base, why = None, "a PEFT model (pushed merged) or a checkpoint conversion: dense"
-        else:
-            base, why = replicas_base(serving.statuses, self.replicas.urls,
-                                      self._delta.copy.version if self._delta else None)
-        return Opening(restarted, dtype_name(serving.serve_dtype),
-                       {n: t.dtype for n, t in serving.index.tensors.items()}, buffers,
-                       base, why, keep_copy=not converted, adapter=spec,
-                       adapter_reason=adapter_reason, check=check, senders=senders,
-                       senders_reason=senders_reason, rendezvous=rendezvous,
-                       draft_buffers=draft_bufs)
+        return open_push(source, version, adapter, draft, self.replicas, self.transport,
+                         self._serving, self.config, self._adapter,
+                         self._delta.copy.version if self._delta else None)
 
     def _connect(self, opening: Opening, version: int) -> None:
         """Every rank: join the connection rank 0 drew, if any (several
@@ -292,16 +293,18 @@ class WeightPusher:
         elif self._peer.group is not None:
             self._peer.start_push(version)
 
-    def _plan(self, model: nn.Module, opening: Opening) -> PushPlan:
+    def _plan(self, model: nn.Module | NamedTensors, opening: Opening) -> PushPlan:
         """Every rank: a delta if one may go and is worth it (the diff is a
         collective), else what `opening` says (push_plan.py)."""
         if opening.draft_buffers is not None:
             return PushPlan(opening, None, "a push with a drafter: dense")
+        if isinstance(model, NamedTensors):
+            return PushPlan(opening, None, opening.why_dense)
         delta, why_dense = self._delta.plan(model, opening, self.config.bucket_bytes) \
             if self._delta is not None else (None, None)
         return PushPlan(opening, delta, why_dense)
 
-    def _begin(self, model: nn.Module, version: int, plan: PushPlan,
+    def _begin(self, model: nn.Module | NamedTensors, version: int, plan: PushPlan,
                draft: nn.Module | None) -> _Begun:
         """Rank 0: lay out the buckets (a delta's are planned), begin everywhere."""
         serving = self._serving
@@ -309,7 +312,10 @@ class WeightPusher:
         if plan.delta is not None:
             buckets = plan.delta.buckets
         else:
-            if plan.adapter is not None:
+            if isinstance(model, NamedTensors):
+                assert serving.index is not None
+                params = self._named.plan(serving.index)
+            elif plan.adapter is not None:
                 params = LoraAdapter(model).plan(param_plan(model, buffers),
                                                  plan.adapter.with_base)
             else:
@@ -321,6 +327,8 @@ class WeightPusher:
             buckets = plan_buckets(params, serving.serve_dtype, self.config.bucket_bytes,
                                    serving.wire_dtypes, self.config.split_tensors)
         senders, why = self._senders(plan)
+        if isinstance(model, NamedTensors) and not model.every_rank and senders > 1:
+            senders, why = 1, "named tensors given on rank 0 alone"
         if senders > 1:
             buckets = assign_senders(buckets, senders)
         push_ids = self._two_phase.begin(version, manifest(buckets), self.config.commit_policy,
@@ -342,7 +350,7 @@ class WeightPusher:
             return 1, "a delta push: rank 0 encodes every rank's changes"
         if plan.adapter is not None:
             return 1, "an adapter push: rank 0 converts the factors"
-        if not o.keep_copy:
+        if not o.keep_copy and o.index is None:  # (named tensors keep no copy either)
             return 1, "a PEFT model or a checkpoint conversion: rank 0 converts"
         return o.senders, None
 
@@ -404,6 +412,33 @@ class WeightPusher:
                     check=self._check), transport=self.transport)
             except Exception as e:  # e.g. a layout conversion; agreed on at the commit
                 return Sent(error=("push", f"{type(e).__name__}: {e}"))
+
+    def _send_named(self, named: NamedTensors, begun: _Begun, opening: Opening) -> Sent:
+        """Named tensors (gather/named_tensors.py), in the manifest's order:
+        rank 0 sends every bucket, or every rank its share when every rank
+        holds every tensor. Every rank draws its stream to the end."""
+        assert opening.index is not None
+        plan = [s.name for b in begun.buckets for s in b.params if s.first]
+        ordered = self._named.ordered(named, plan, opening.index)
+        sending = self.rank == 0 or (begun.senders > 1 and named.every_rank)
+        sender: Transport | PeerSender | None = self.transport if self.rank == 0 else self._peer
+        mine = Sent()
+        try:
+            if sending:
+                assert sender is not None
+                mine = self._sent(begun.buckets, *self._sender.send_all(
+                    begun.buckets, ordered, sender, begun.push_ids,
+                    sender=self.rank if begun.senders > 1 else None, check=self._check),
+                    transport=sender, sender=self.rank if begun.senders > 1 else None)
+            for _ in ordered:  # the rest: a name past the plan fails here too
+                pass
+        except Exception as e:  # every rank with the stream meets the same one
+            mine = Sent(error=("push", f"{type(e).__name__}: {e}"))
+        finally:
+            ordered.close()
+        if begun.senders > 1:
+            return gather_sent(self.rank, mine)
+        return mine if self.rank == 0 else Sent()
 
     def _every_rank_sends(self, model: nn.Module, begun: _Begun, plan: PushPlan,
                           draft: nn.Module | None) -> Sent:

@@ -20,6 +20,7 @@ committed it (`committed`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,8 +38,10 @@ from rollout_sidecar.trainer.delta.shard_copy import ShardCopy
 from rollout_sidecar.trainer.delta.shard_pieces import Piece, shard_pieces
 from rollout_sidecar.trainer.gather.full_tensors import ParamInfo, param_plan
 from rollout_sidecar.trainer.pack.buckets import wire_dtype
-from rollout_sidecar.trainer.push_opening import Opening
 from rollout_sidecar.trainer.rank_agreement import any_rank, rank
+
+if TYPE_CHECKING:  # push_opening reads replicas_base: no import cycle
+    from rollout_sidecar.trainer.push_opening import Opening
 
 
 def replicas_base(statuses: list[WeightStatus], urls: list[str], copy_version: int | None
