@@ -53,7 +53,8 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     from rollout_sidecar.trainer.gather.peft_merge import PeftMerge
     from rollout_sidecar.trainer.pack.buckets import plan_buckets
     from rollout_sidecar.trainer.probe import trainer_logprobs
-    from rollout_sidecar.trainer.pusher import WeightPusher, _Begun
+    from rollout_sidecar.trainer.push_sends import Begun
+    from rollout_sidecar.trainer.pusher import WeightPusher
     from tests.row_blocks_worker import reassemble
     from tests.test_peft_merge import BUCKET, DENSE, peft_llama
     from tests.test_split_buckets import LoopbackTransport
@@ -81,7 +82,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
         if rank == 0:
             merge = PeftMerge(model)
             plan = CheckpointLayout(merge.base_model).plan(merge.plan(param_plan(model)))
-            begun = _Begun(plan_buckets(plan, torch.float32, pusher.config.bucket_bytes),
+            begun = Begun(plan_buckets(plan, torch.float32, pusher.config.bucket_bytes),
                            ["p"])
             pusher.transport = LoopbackTransport()
         err = pusher._gather_and_send(model, begun, DENSE).error

@@ -23,7 +23,8 @@ from rollout_sidecar.trainer.gather.full_tensors import param_plan
 from rollout_sidecar.trainer.gather.peft_merge import PeftMerge, PeftMergeError
 from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
 from rollout_sidecar.trainer.probe import trainer_logprobs
-from rollout_sidecar.trainer.pusher import WeightPusher, _Begun
+from rollout_sidecar.trainer.push_sends import Begun
+from rollout_sidecar.trainer.pusher import WeightPusher
 from tests.row_blocks_worker import reassemble
 from tests.test_split_buckets import LoopbackTransport
 
@@ -86,7 +87,7 @@ def push_loopback(model: torch.nn.Module, wire: torch.dtype = torch.float32
     buckets = plan_buckets(plan, wire, BUCKET)
     pusher = WeightPusher("http://127.0.0.1:9", admin_token="t", probe=False)
     pusher.transport = LoopbackTransport()
-    sent = pusher._gather_and_send(model, _Begun(buckets, ["p"]), DENSE)
+    sent = pusher._gather_and_send(model, Begun(buckets, ["p"]), DENSE)
     assert sent.error is None, sent.error
     assert len(sent.checksums) == len(buckets) > 1
     return reassemble(buckets, pusher.transport.sent), buckets

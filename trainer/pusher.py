@@ -1,5 +1,7 @@
 """`WeightPusher`: call `push(model, version)` on every trainer rank after
 `optimizer.step()`; a moment later /generate serves exactly those weights.
+A framework that hands over `(name, full tensor)` pairs instead of a module
+calls `push_tensors` (gather/named_tensors.py), which takes the same steps.
 
 A push, in order:
   1. refuse a model with parameters still on the meta device (any rank's);
@@ -8,9 +10,10 @@ A push, in order:
   3. plan (push_plan.py), on every rank: the encoding (dense, delta from every
      rank's diff of its own shard, adapter, adapter+base) and why; begin: lay
      out the buckets, begin on every replica;
-  4. gather and send: every rank gathers every bucket in the same order (the
-     collectives line up); rank 0 packs and sends (pack/sender.py): the full
-     tensors, or the changed elements of each rank's shard;
+  4. gather and send (push_sends.py): every rank gathers every bucket in the
+     same order (the collectives line up); rank 0, or every rank its share,
+     packs and sends (pack/sender.py): the full tensors, or the changed
+     elements of each rank's shard;
   5. prepare, then commit, on every replica (two_phase.py): all or
      nothing across replicas, a refusal before the commit aborts everywhere;
      every rank's shard copy then moves to this version (the next delta's base);
@@ -27,28 +30,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from rollout_sidecar.protocol.schema import BucketManifest, Check, CommitPolicy
+from rollout_sidecar.protocol.schema import Check, CommitPolicy
 from rollout_sidecar.trainer.adapter.adapter_push import AdapterPush
 from rollout_sidecar.trainer.adapter.lora_adapter import LoraAdapter
 from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.control.serving_state import ServingState
-from rollout_sidecar.trainer.delta.delta_push import DeltaPlan, DeltaPush
+from rollout_sidecar.trainer.delta.delta_push import DeltaPush
 from rollout_sidecar.trainer.draft_push import (
-    converted_target,
     draft_plan,
-    with_draft,
 )
-from rollout_sidecar.trainer.errors import Error, from_kind
+from rollout_sidecar.trainer.errors import from_kind
 from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
 from rollout_sidecar.trainer.gather.full_tensors import (
     MetaDeviceError,
-    iter_full_tensors,
     meta_modules,
     param_plan,
 )
@@ -60,14 +60,14 @@ from rollout_sidecar.trainer.pack.sender import BucketSender
 from rollout_sidecar.trainer.probe import Forward, LogitsOf, commit_with_forward, probe_push
 from rollout_sidecar.trainer.push_config import PushConfig
 from rollout_sidecar.trainer.push_opening import Opening, open_push
-from rollout_sidecar.trainer.push_plan import PushPlan, drained
+from rollout_sidecar.trainer.push_plan import PushPlan
 from rollout_sidecar.trainer.push_result import PushResult
-from rollout_sidecar.trainer.rank_agreement import agree, any_rank, broadcast, rank
+from rollout_sidecar.trainer.push_sends import Begun, PushSends
+from rollout_sidecar.trainer.rank_agreement import agree, any_rank, rank
 from rollout_sidecar.trainer.release import close_parts, close_when_gone
 from rollout_sidecar.trainer.sending_ranks import (
     Sent,
     connect_every_rank,
-    gather_sent,
 )
 from rollout_sidecar.trainer.transport.base import Transport
 from rollout_sidecar.trainer.transport.distributed import DistributedTransport
@@ -78,16 +78,7 @@ from rollout_sidecar.trainer.two_phase import TwoPhaseCommit
 __all__ = ["WeightPusher"]
 
 
-class _Begun(NamedTuple):
-    """Rank 0's begin: what the rest of the push needs."""
-
-    buckets: list[BucketManifest]
-    push_ids: list[str]  # each replica's id of this push
-    senders: int = 1  # trainer ranks that send this push's buckets
-    senders_reason: str | None = None  # why one, where the connection has several
-
-
-class WeightPusher:
+class WeightPusher(PushSends):
     """Push full weights from any trainer layout (FSDP2, FSDP1, DDP, plain)
     to rollout-sidecar servers.
 
@@ -210,7 +201,7 @@ class WeightPusher:
         t_opened = time.perf_counter()
         plan = self._plan(source, opening)  # every rank: the same plan
         diff_s = time.perf_counter() - t_opened  # every rank's diff and the counts
-        begun: _Begun = agree(lambda: self._begin(source, version, plan, draft)
+        begun: Begun = agree(lambda: self._begin(source, version, plan, draft)
                               if self.rank == 0 else None)
         t_begun = time.perf_counter()
         if plan.delta is not None:
@@ -305,7 +296,7 @@ class WeightPusher:
         return PushPlan(opening, delta, why_dense)
 
     def _begin(self, model: nn.Module | NamedTensors, version: int, plan: PushPlan,
-               draft: nn.Module | None) -> _Begun:
+               draft: nn.Module | None) -> Begun:
         """Rank 0: lay out the buckets (a delta's are planned), begin everywhere."""
         serving = self._serving
         buffers = plan.opening.buffers if plan.sends_buffers else ()
@@ -336,7 +327,7 @@ class WeightPusher:
                                          plan.adapter.model_dump(exclude_none=True)
                                          if plan.adapter is not None else None,
                                          plan.opening.check)
-        return _Begun(buckets, push_ids, senders, why)
+        return Begun(buckets, push_ids, senders, why)
 
     @staticmethod
     def _senders(plan: PushPlan) -> tuple[int, str | None]:
@@ -354,116 +345,7 @@ class WeightPusher:
             return 1, "a PEFT model or a checkpoint conversion: rank 0 converts"
         return o.senders, None
 
-    def _send_delta(self, delta: DeltaPlan, begun: _Begun) -> Sent:
-        """Every rank sends its changes of each bucket to rank 0, which
-        encodes, packs and sends the patches."""
-        with drained(delta.diff.patches(begun.buckets, delta.plans)) as patches:
-            if self.rank != 0:
-                return Sent()  # `drained` runs every bucket's gather
-            assert self.transport is not None
-            try:
-                return self._sent(begun.buckets, *self._sender.send_all(
-                    begun.buckets, patches, self.transport, begun.push_ids,
-                    check=self._check), transport=self.transport)
-            except Exception as e:
-                return Sent(error=("push", f"{type(e).__name__}: {e}"))
-
-    def _sent(self, buckets: list[BucketManifest], checksums: list[int], err: Error | None,
-              transport: Transport | PeerSender, sender: int | None = None) -> Sent:
-        """What `send_all` returned, by bucket index (with its tags)."""
-        ours = [b.index for b in buckets if sender is None or b.source == sender]
-        macs = transport.bucket_macs
-        return Sent(dict(zip(ours, checksums, strict=False)),
-                    dict(zip(ours, macs.tags, strict=False)) if macs is not None else {}, err)
-
-    def _gather_and_send(self, model: nn.Module, begun: _Begun, plan: PushPlan,
-                         draft: nn.Module | None = None) -> Sent:
-        """Every rank gathers every tensor; rank 0 packs and sends them, or,
-        with several senders, each rank its share (sending_ranks.py). An
-        error is returned, not raised, so every rank keeps taking part in
-        every gather; the commit step then agrees on it."""
-        if begun is not None and begun.senders > 1:  # (every rank's, agreed at begin)
-            return self._every_rank_sends(model, begun, plan, draft)
-        # Rank 0's setting for every rank: row blocks are collectives. Half a
-        # bucket: rank 0 then holds two send buffers plus at most 0.75 bucket
-        # of a gather (a block, or a whole gather of at most a quarter bucket).
-        c = self.config
-        block_bytes = broadcast(c.bucket_bytes // 2 if c.row_blocks else None)
-        lora = LoraAdapter(model) if plan.adapter is not None else None
-        # An adapter alone: only its factors are gathered (the same on every rank).
-        only = lora.is_factor if lora is not None and plan.encoding == "adapter" else None
-        # Buffers are not collectives: only rank 0 reads them.
-        buffers = plan.opening.buffers if self.rank == 0 and plan.sends_buffers else ()
-        draft_bufs = (plan.opening.draft_buffers or []) if self.rank == 0 else ()
-        target = iter_full_tensors(model, c.device, buffers, block_bytes, only)
-        with drained(with_draft(target, draft, c.device, draft_bufs, block_bytes)) as gathers:
-            if self.rank != 0:
-                return Sent()  # `drained` runs every gather
-            assert self.transport is not None
-            try:
-                if lora is not None:
-                    tensors = lora.convert(gathers, plan.encoding == "adapter+base")
-                else:
-                    merge = PeftMerge(model)
-                    tensors = converted_target(gathers, lambda ts: CheckpointLayout(
-                        merge.base_model).convert(merge.convert(ts)))
-                return self._sent(begun.buckets, *self._sender.send_all(
-                    begun.buckets, tensors, self.transport, begun.push_ids,
-                    check=self._check), transport=self.transport)
-            except Exception as e:  # e.g. a layout conversion; agreed on at the commit
-                return Sent(error=("push", f"{type(e).__name__}: {e}"))
-
-    def _send_named(self, named: NamedTensors, begun: _Begun, opening: Opening) -> Sent:
-        """Named tensors (gather/named_tensors.py), in the manifest's order:
-        rank 0 sends every bucket, or every rank its share when every rank
-        holds every tensor. Every rank draws its stream to the end."""
-        assert opening.index is not None
-        plan = [s.name for b in begun.buckets for s in b.params if s.first]
-        ordered = self._named.ordered(named, plan, opening.index)
-        sending = self.rank == 0 or (begun.senders > 1 and named.every_rank)
-        sender: Transport | PeerSender | None = self.transport if self.rank == 0 else self._peer
-        mine = Sent()
-        try:
-            if sending:
-                assert sender is not None
-                mine = self._sent(begun.buckets, *self._sender.send_all(
-                    begun.buckets, ordered, sender, begun.push_ids,
-                    sender=self.rank if begun.senders > 1 else None, check=self._check),
-                    transport=sender, sender=self.rank if begun.senders > 1 else None)
-            for _ in ordered:  # the rest: a name past the plan fails here too
-                pass
-        except Exception as e:  # every rank with the stream meets the same one
-            mine = Sent(error=("push", f"{type(e).__name__}: {e}"))
-        finally:
-            ordered.close()
-        if begun.senders > 1:
-            return gather_sent(self.rank, mine)
-        return mine if self.rank == 0 else Sent()
-
-    def _every_rank_sends(self, model: nn.Module, begun: _Begun, plan: PushPlan,
-                          draft: nn.Module | None) -> Sent:
-        """Every rank gathers every tensor and packs and sends the buckets
-        its manifest entries name; rank 0 then has every rank's values and
-        first error (`gather_sent`). Only a dense push of the model's own
-        tensors comes here (`_senders`): no conversion to run."""
-        # Every rank holds the persistent buffers whole (neither FSDP shards
-        # them), and gathers every parameter whole: no row blocks, which reach
-        # rank 0 alone.
-        buffers = plan.opening.buffers if plan.sends_buffers else ()
-        sender: Transport | PeerSender = self.transport if self.rank == 0 else self._peer
-        assert sender is not None
-        device = self.config.device
-        with drained(with_draft(iter_full_tensors(model, device, buffers), draft, device,
-                                plan.opening.draft_buffers or [])) as gathers:
-            try:
-                mine = self._sent(begun.buckets, *self._sender.send_all(
-                    begun.buckets, gathers, sender, begun.push_ids, sender=self.rank,
-                    check=self._check), transport=sender, sender=self.rank)
-            except Exception as e:
-                mine = Sent(error=("push", f"{type(e).__name__}: {e}"))
-        return gather_sent(self.rank, mine)
-
-    def _commit(self, begun: _Begun, sent: Sent, restarted: bool) -> PushResult:
+    def _commit(self, begun: Begun, sent: Sent, restarted: bool) -> PushResult:
         """Rank 0: abort on a send error, else prepare and commit everywhere."""
         two_phase = self._two_phase
         err = sent.error

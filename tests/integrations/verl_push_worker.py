@@ -18,7 +18,8 @@ full state dict:
 - steps 1 and 2, each after an optimizer step: pushed as versions 1, 2;
 - step 3 with one tensor misnamed in the stream: refused on every rank by
   name, version 2 still served, bit for bit;
-- step 3 from a plain state dict on rank 0 alone (`every_rank=False`).
+- step 3 from a dict of those tensors on rank 0 alone (`every_rank=False`),
+  with the post-push probe run on the FSDP2 policy's forward.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from tests.rank_worker import main, server_info
 
 SCORED = [[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 77, 200, 11, 12, 13, 14],
           [5, 6, 7, 8, 9, 10, 11, 12, 100, 101, 102, 103]]
-MISNAMED = ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up.weight")
 
 
 def per_tensor_param(model: torch.nn.Module):
@@ -116,14 +116,23 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     served_state = state
     step(model, info["vocab_size"])
     state = full_state_dict(model, "fsdp2")
-    misnamed = ((MISNAMED[1] if n == MISNAMED[0] else n, t)
-                for n, t in per_tensor_param(model))
-    observe(push(3, misnamed, "step 3, a tensor misnamed"), served_state)
-    run: dict = {"round": "step 3, rank 0's state dict"}
+    renamed: list[str] = []
+
+    def misnamed():  # the first up_proj renamed: a name the served model lacks
+        for n, t in per_tensor_param(model):
+            if not renamed and "up_proj" in n:
+                renamed.append(n)
+                n = n.replace("up_proj", "up")
+            yield n, t
+
+    observe(push(3, misnamed(), "step 3, a tensor misnamed"), served_state)
+    run: dict = {"round": "step 3, rank 0's tensors"}
     try:
-        res = engine.pusher.push_tensors(state.items() if rank == 0 else None, 3,
-                                         every_rank=False)
-        run.update(error=None, senders=res.senders, senders_reason=res.senders_reason)
+        named = dict(per_tensor_param(model))  # (every rank: its all-gathers)
+        res = engine.pusher.push_tensors(named.items() if rank == 0 else None, 3,
+                                         every_rank=False, probe=model)
+        run.update(error=None, senders=res.senders, senders_reason=res.senders_reason,
+                   probe_passed=res.probe.passed, probe_gap=res.probe.mean_abs_dlogp)
     except WeightPushError as e:
         run.update(error=str(e))
     observe(run, state)
