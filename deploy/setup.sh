@@ -45,7 +45,8 @@ if [[ ! -f "$stamp" ]]; then
     # Frameworks whose pins conflict with the engine's, apart and without
     # their dependencies (tests/integrations/frameworks.txt says why).
     rm -rf .venv/frameworks
-    quiet_pip install -q --no-deps --target .venv/frameworks -r tests/integrations/frameworks.txt
+    quiet_pip install -q --no-deps --ignore-requires-python --target .venv/frameworks \
+      -r tests/integrations/frameworks.txt
   fi
 fi
 .venv/bin/python -c "import rollout_sidecar.server.cli, vllm, transformers" \

@@ -30,6 +30,7 @@ from rollout_sidecar.server.model.model_source import resolve_model
 from rollout_sidecar.server.openai_api import router as openai_api
 from rollout_sidecar.server.openai_api.compat import build_state
 from rollout_sidecar.server.openapi import install_openapi
+from rollout_sidecar.server.skyrl_api import router as skyrl_api
 from rollout_sidecar.server.weights import router as weights
 from rollout_sidecar.server.weights.service import WeightService
 
@@ -100,7 +101,7 @@ def create_app(settings: ServerSettings, model_path: Path | None = None,
     app.state.not_ready_reason = "model loading"
     app.state.draining = False
     app.state.openai = None
-    for module in (generate, openai_api, health, metrics, weights):
+    for module in (generate, openai_api, skyrl_api, health, metrics, weights):
         app.include_router(module.router)
     install_openapi(app)
 

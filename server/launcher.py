@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from rollout_sidecar.protocol.schema.endpoints import auth_headers
 from rollout_sidecar.server.listeners import PortUnavailable, bind_port, port_of
 
 API_TOKEN_ENV = "ROLLOUT_SIDECAR_API_TOKEN"
@@ -99,8 +100,7 @@ class ServerProcess:
 
     def info(self) -> dict[str, Any]:
         """GET /info (model, dtype, weight_version, ...)."""
-        r = httpx.get(self.url + "/info", timeout=30,
-                      headers={"Authorization": f"Bearer {self.api_token}"})
+        r = httpx.get(self.url + "/info", timeout=30, headers=auth_headers(self.api_token))
         r.raise_for_status()
         return r.json()
 
@@ -171,8 +171,9 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
 
     Ports: free ones unless given, bound here and passed to the server as
     sockets (`--http-fd`, `--data-plane-fd`; not inside `prefix`). Tokens:
-    `api_token`/`admin_token`, else the ones in `env`, else fresh random ones;
-    they reach the server through its environment only (never argv).
+    `api_token`/`admin_token`, else the ones in `env`, else fresh random ones
+    (an empty API token: none, the generate routes open); they reach the
+    server through its environment only (never argv).
     Environment: this process's, then `DEFAULT_ENV` where unset, then `env`
     (which wins). `args`: more `serve` flags. `cpus` (a taskset list, e.g.
     "1") pins the server and its OpenMP threads; `prefix` runs it inside
@@ -184,9 +185,14 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
     mount namespace), as a container's `shm_size` gives it.
     """
     env = dict(env or {})
-    api = api_token or env.get(API_TOKEN_ENV) or secrets.token_hex(8)
+    # An empty API token: the generate routes open, for clients that send none
+    # (SkyRL's RemoteInferenceClient), on a network of their own.
+    open_api = api_token == "" or env.get(API_TOKEN_ENV) == ""
+    api = "" if open_api else api_token or env.get(API_TOKEN_ENV) or secrets.token_hex(8)
     admin = admin_token or env.get(ADMIN_TOKEN_ENV) or secrets.token_hex(8)
     full_env = {**DEFAULT_ENV, **os.environ, **env, API_TOKEN_ENV: api, ADMIN_TOKEN_ENV: admin}
+    if open_api:
+        del full_env[API_TOKEN_ENV]
     if cpus is not None:
         full_env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     if host is not None:

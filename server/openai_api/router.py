@@ -1,4 +1,5 @@
-"""POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+"""POST /v1/completions, POST /v1/chat/completions, GET /v1/models, and
+vLLM's token route POST /inference/v1/generate.
 
 vLLM's own OpenAI handlers (state built in compat.py) behind our API
 token and version gate. Every response carries `weight_version`,
@@ -85,6 +86,12 @@ def _return_spans(body: BaseModel) -> bool:
     return value
 
 
+def _choices_per_prompt(body: Any) -> int:
+    """`n`: the OpenAI routes' field, the token route's in `sampling_params`."""
+    n = getattr(body, "n", None) or getattr(getattr(body, "sampling_params", None), "n", None)
+    return n or 1
+
+
 def _check(body: Any, cap: int) -> None:
     if "max_version_lag" in (body.model_extra or {}):
         # A restart drops a run's tokens, and a stream has sent them already.
@@ -97,8 +104,9 @@ def _check(body: Any, cap: int) -> None:
     prompt = getattr(body, "prompt", None)
     prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(
         prompt[0], int) else 1
-    if (body.n or 1) * prompts > cap:
-        raise BadRequest(f"prompts x n = {(body.n or 1) * prompts} is over this server's "
+    n = _choices_per_prompt(body)
+    if n * prompts > cap:
+        raise BadRequest(f"prompts x n = {n * prompts} is over this server's "
                          f"max_sequences_per_request ({cap})", "n")
 
 
@@ -122,7 +130,7 @@ async def _serve(body: Any, request: Request,
     _check(body, settings.max_sequences_per_request)
     want_spans = _return_spans(body)
     lease = await engine.gate.admit(_min_version(body), settings.min_version_wait_s)
-    tag = RequestTag(engine, lease, n=body.n or 1, spans=want_spans)
+    tag = RequestTag(engine, lease, n=_choices_per_prompt(body), spans=want_spans)
     streaming = False
     try:
         with tag.current():
@@ -176,6 +184,19 @@ async def completions(request: Request) -> Any:
     body = await _parse(request, CompletionRequest)
     handler = _vllm_state(request).openai_serving_completion
     return await until_disconnected(request, _serve(body, request, handler.create_completion))
+
+
+@router.post("/inference/v1/generate")
+async def generate_tokens(request: Request) -> Any:
+    """vLLM's token-in, token-out route (SkyRL's RemoteInferenceClient
+    generates through it): token ids in, token ids and logprobs out, with
+    our version fields and each choice's spans. Its body forbids extra
+    fields, so `min_weight_version` is not taken here."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+
+    body = await _parse(request, GenerateRequest)
+    handler = _vllm_state(request).serving_tokens
+    return await until_disconnected(request, _serve(body, request, handler.serve_tokens))
 
 
 @router.get("/v1/models")

@@ -1,0 +1,140 @@
+"""The control routes SkyRL's RemoteInferenceClient calls on each server
+(SkyRL 0.4.0, `inference_servers/remote_inference_client.py`). Generation
+goes through vLLM's token route (openai_api/router.py:
+`/inference/v1/generate`) and our `/v1` routes.
+
+SkyRL brackets its weight sync with these calls, to keep half-written
+weights from being sampled and to free a GPU it shares with the trainer.
+Neither applies here: a push commits between decode steps, all or nothing,
+and every token is tagged with its version, and the server's memory is its
+own. So `/pause`, `/resume`, `/sleep` and `/wake_up` answer and change
+nothing; `/reset_prefix_cache` resets it; `/get_world_size` is the engine's.
+
+SkyRL's weight transfer: its delta backend (`weight_sync_backend=delta`:
+byte deltas in a shared store, fetched by each server) is a sidecar push
+(delta_sync.py): the routes below take the admin token, as every weight
+route does (SkyRL's weight client sends it from ~/.netrc, as HTTP Basic:
+auth.py). Its NCCL and CUDA IPC transfers are not served: an
+`init_weight_transfer_engine` for them answers 501, naming the delta
+backend, so a SkyRL run stops at its first weight call with the reason
+instead of training on stale weights (docs/skyrl.md).
+
+The control routes take the generate token when the server has one;
+SkyRL's generation client sends none, so a SkyRL deployment runs the
+generate routes open, on a network of its own. Left out of /openapi.json:
+the shapes are SkyRL's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from rollout_sidecar.server.auth import require_admin_token, require_api_token
+from rollout_sidecar.server.errors import BadRequest, ServiceUnavailable
+from rollout_sidecar.server.skyrl_api.delta_sync import DeltaSync, push_into
+
+router = APIRouter(include_in_schema=False)
+API = [Depends(require_api_token)]
+ADMIN = [Depends(require_admin_token)]
+UNCHANGED = "rollout-sidecar commits pushes between decode steps and tags every token with " \
+    "its version: nothing to pause, sleep or wake"
+NOT_SERVED = ("SkyRL's {backend} weight transfer is not served by rollout-sidecar: use "
+              "weight_sync_backend=delta (a shared store), or push from SkyRL's policy "
+              "workers with rollout_sidecar.trainer.WeightPusher.push_tensors (docs/skyrl.md)")
+
+
+@router.get("/get_world_size", dependencies=API)
+async def world_size(request: Request) -> JSONResponse:
+    return JSONResponse({"world_size": request.app.state.settings.tensor_parallel_size})
+
+
+@router.post("/pause", dependencies=API)
+@router.post("/resume", dependencies=API)
+@router.post("/sleep", dependencies=API)
+@router.post("/wake_up", dependencies=API)
+async def unchanged(request: Request) -> JSONResponse:
+    return JSONResponse({"changed": False, "why": UNCHANGED})
+
+
+@router.get("/is_sleeping", dependencies=API)
+async def is_sleeping() -> JSONResponse:
+    return JSONResponse({"is_sleeping": False})
+
+
+@router.post("/reset_prefix_cache", dependencies=API)
+async def reset_prefix_cache(request: Request) -> JSONResponse:
+    engine = request.app.state.engine
+    if engine is None or engine.llm is None:
+        raise ServiceUnavailable("the engine is still loading")
+    await engine.llm.reset_prefix_cache()
+    return JSONResponse({"reset": True})
+
+
+def _sync(request: Request) -> DeltaSync:
+    state = request.app.state
+    if getattr(state, "skyrl_delta", None) is None:
+        state.skyrl_delta = DeltaSync(Path(state.engine.model_path))
+    return state.skyrl_delta
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body() or b"null")
+    except ValueError as e:
+        raise BadRequest(f"body is not JSON: {e}", None) from e
+    return body if isinstance(body, dict) else {}
+
+
+@router.post("/init_weight_transfer_engine", dependencies=ADMIN)
+async def init_weight_transfer_engine(request: Request) -> JSONResponse:
+    info = (await _body(request)).get("init_info") or {}
+    backend = "delta" if "base_model_path" in info or "local_checkpoint_dir" in info \
+        else "NCCL" if "master_address" in info else "CUDA IPC" if "ipc" in str(info) \
+        else None
+    if backend != "delta":
+        return JSONResponse({"error": {"message": NOT_SERVED.format(backend=backend or "this"),
+                                       "type": "NotImplementedError", "code": 501}},
+                            status_code=501)
+    try:
+        await asyncio.to_thread(_sync(request).init, request.app.state.engine.gate.version)
+    except NotImplementedError as e:
+        return JSONResponse({"error": {"message": str(e), "code": 501}}, status_code=501)
+    return JSONResponse({"backend": "delta", "version": _sync(request).version})
+
+
+@router.post("/fetch_weights", dependencies=ADMIN)
+async def fetch_weights(request: Request) -> JSONResponse:
+    body = await _body(request)
+    target = body.get("target_version")
+    if not isinstance(target, int) or isinstance(target, bool):
+        raise BadRequest("target_version must be an integer", "target_version")
+    stats = await asyncio.to_thread(_sync(request).fetch, target, body.get("sync_dir"),
+                                    body.get("uri"))
+    return JSONResponse({"target_version": target, **stats})
+
+
+@router.post("/start_weight_update", dependencies=ADMIN)
+async def start_weight_update(request: Request) -> JSONResponse:
+    _sync(request).start()
+    return JSONResponse({"started": True})
+
+
+@router.post("/update_weights", dependencies=ADMIN)
+async def update_weights(request: Request) -> JSONResponse:
+    sync = _sync(request)
+    version, tensors = sync.to_push((await _body(request)).get("update_info") or {})
+    await push_into(request.app.state.weights, version, tensors)
+    sync.pushed()
+    return JSONResponse({"weight_version": version})
+
+
+@router.post("/finish_weight_update", dependencies=ADMIN)
+async def finish_weight_update(request: Request) -> JSONResponse:
+    _sync(request).finish()
+    return JSONResponse({"finished": True})
