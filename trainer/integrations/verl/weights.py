@@ -56,9 +56,11 @@ def push_step(pusher: WeightPusher, weights: Weights, global_steps: int | None,
               offset: int = 0) -> dict[str, float]:
     """Push verl's weights of `global_steps` (every rank); verl's metrics."""
     version = (global_steps or 0) + offset
-    served = agree(lambda: min(s.weight_version for s in pusher.replicas.all(
-        lambda a, i: a.status(), "status")) if rank() == 0 else None)
-    if version == 0 and served == 0:
+    # Only the step-0 sync asks what the replicas serve (the same `version` on
+    # every rank, so every rank agrees or none does); any other push reads
+    # their status once, in its own opening.
+    if version == 0 and agree(lambda: min(s.weight_version for s in pusher.replicas.all(
+            lambda a, i: a.status(), "status")) if rank() == 0 else None) == 0:
         for _ in weights:  # every rank's all-gathers, in step; nothing to push
             pass
         log.info("verl's step-0 sync: the servers serve their checkpoint (version 0), "
