@@ -4,16 +4,21 @@ Each trainer rank and each replica is a node of its own: a network namespace
 whose upload is capped by `tc` (netns.py; needs root), as pods on a cluster
 network, where each node's NIC is the limit. The trainer is FSDP2 over gloo
 across those nodes, so its gathers cross the same capped links as between
-real nodes. For 2 and 4 ranks, 1 and 2 replicas, `senders="one"` (rank 0
-sends every bucket) and `"all"` (each rank its share), it measures a dense
-push (`delta=False`): its time, and the bytes that leave each trainer node,
-split into the wrapper's gathers (the same gathers drained alone, just
-before) and the push's own. A warm-up push first (connect, allocate), then
+real nodes. For 2 and 4 ranks, 1 and 2 replicas, three ways to send:
+"one" (`senders="one"`: rank 0 sends every bucket, gathered to it), "all"
+(`own_rows=False`: every rank gathers every tensor whole and sends its share
+of the buckets) and "own" (the default: every rank sends its own FSDP2 rows,
+nothing gathered), it measures a dense push (`delta=False`): its time, and
+the bytes that leave each trainer node, split into the wrapper's gathers
+(the same gathers drained alone, just before) and the push's own, and the
+bytes that leave each replica (the chain relays every bucket from the first
+replica to the second). A warm-up push first (connect, allocate), then
 `--repeats` measured ones; medians.
 
 Targets (issue 44): with N ranks the push's own bytes out of the busiest
 trainer link <= 1.2 x model bytes / N, and the whole push within 1.3 x the
-time the busiest link needs for everything it carries.
+time the busiest link (a trainer's or a replica's) needs for everything it
+carries.
 
     sudo .venv/bin/python bench/push_links.py [--size 100m] [--link 1gbit] [--repeats 2]
 """
@@ -59,11 +64,11 @@ def worker(args: argparse.Namespace) -> None:
         fully_shard(layer)
     fully_shard(model)
     pusher = WeightPusher(args.urls.split(","), os.environ["ROLLOUT_SIDECAR_ADMIN_TOKEN"],
-                          delta=False, probe=False, senders=args.senders,
-                          bucket_mb=args.bucket_mb)
+                          delta=False, probe=False, senders="one" if args.way == "one" else "all",
+                          own_rows=args.way == "own", bucket_mb=args.bucket_mb)
     rows = []
     version = args.version
-    blocks = int(args.bucket_mb * 2**20) // 2 if args.senders == "one" else None
+    blocks = int(args.bucket_mb * 2**20) // 2 if args.way == "one" else None
     pusher.push(model, version)  # warm-up: connect, allocate
     for _ in range(args.repeats):
         dist.barrier()
@@ -71,8 +76,9 @@ def worker(args: argparse.Namespace) -> None:
         # The gathers alone, as the push runs them: one sender brings a
         # parameter over a quarter bucket to rank 0 alone, in row blocks
         # (drained as the iterator moves on); every rank sending gathers each
-        # one whole on every rank.
-        for _name, _t in iter_full_tensors(model, block_bytes=blocks):
+        # one whole on every rank; own rows gather nothing.
+        for _name, _t in iter_full_tensors(model, block_bytes=blocks) if args.way != "own" \
+                else ():
             pass
         dist.barrier()
         tx1, t1 = _tx(), time.perf_counter()
@@ -85,6 +91,7 @@ def worker(args: argparse.Namespace) -> None:
                      "gather_send_s": result.timings["gather_send_s"],
                      "commit_s": result.timings["commit_s"],
                      "senders": result.senders, "reason": result.senders_reason,
+                     "own_rows": result.own_rows, "own_rows_reason": result.own_rows_reason,
                      "nbytes": result.nbytes})
     pusher.close()
     everyone = all_gather_object(rows)
@@ -93,8 +100,16 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run_config(ips: dict[str, str], urls: list[str], ranks: int, senders: str,
-               version: int, env: dict[str, str], args: argparse.Namespace) -> list[list[dict]]:
+def _replica_tx(name: str) -> int:
+    """Bytes node `name` has sent: its link's host end received them."""
+    return int(Path(f"/sys/class/net/rs-{name}-h/statistics/rx_bytes").read_text())
+
+
+def run_config(ips: dict[str, str], urls: list[str], ranks: int, way: str,
+               version: int, env: dict[str, str], args: argparse.Namespace
+               ) -> tuple[list[list[dict]], list[float]]:
+    """Every rank's rows, and each replica's upload per push (the warm-up's
+    included: every push carries the same bytes)."""
     from netns import exec_prefix
 
     out = args.workdir / "links-result.json"
@@ -103,9 +118,11 @@ def run_config(ips: dict[str, str], urls: list[str], ranks: int, senders: str,
         s.bind(("", 0))
         port = s.getsockname()[1]
     procs = []
+    replicas = "ab"[:len(urls)]
+    tx0 = [_replica_tx(n) for n in replicas]
     for r in range(ranks):
         cmd = [*exec_prefix(f"t{r}"), sys.executable, __file__, "--worker", "--urls",
-               ",".join(urls), "--senders", senders, "--version", str(version), "--out",
+               ",".join(urls), "--way", way, "--version", str(version), "--out",
                str(out), "--size", args.size, "--repeats", str(args.repeats), "--bucket-mb",
                str(args.bucket_mb)]
         procs.append(subprocess.Popen(cmd, env=dict(
@@ -120,7 +137,9 @@ def run_config(ips: dict[str, str], urls: list[str], ranks: int, senders: str,
                 p.kill()
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a rank failed: {[p.returncode for p in procs]}")
-    return json.loads(out.read_text())
+    pushes = args.repeats + 1
+    return json.loads(out.read_text()), [(_replica_tx(n) - t) / pushes
+                                          for n, t in zip(replicas, tx0, strict=True)]
 
 
 def main() -> None:
@@ -135,7 +154,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rollout-sidecar-bench"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--urls", help=argparse.SUPPRESS)
-    ap.add_argument("--senders", help=argparse.SUPPRESS)
+    ap.add_argument("--way", help=argparse.SUPPRESS)
     ap.add_argument("--version", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -165,36 +184,47 @@ def main() -> None:
         print(f"{args.size}; each node uploads at {args.link}; {load()}", flush=True)
         for ranks in rank_counts:
             for replicas in (1, 2):
-                for senders in ("one", "all"):
+                for way in ("one", "all", "own"):
                     version += 1000
-                    per_rank = run_config(ips, urls[:replicas], ranks, senders, version, env,
-                                          args)
-                    rows.append(_row(ranks, replicas, senders, per_rank, rate))
-                    print(f"  {ranks} ranks, {replicas} replica(s), senders={senders}: "
-                          f"{rows[-1][3]} s", flush=True)
+                    per_rank, replica_tx = run_config(ips, urls[:replicas], ranks, way,
+                                                      version, env, args)
+                    rows.append(_row(ranks, replicas, way, per_rank, replica_tx, rate))
+                    print(f"  {ranks} ranks, {replicas} replica(s), {way}: {rows[-1][3]} s",
+                          flush=True)
     if not rows:
         return
     print(f"\nmedian of {args.repeats} pushes, bucket {args.bucket_mb:g} MiB, each node's "
           f"upload {args.link}; {time.perf_counter() - t_start:.0f}s; {load()}")
-    print(table(["ranks", "replicas", "senders", "push s", "gather+send s", "commit s",
-                 "push MB out of busiest link", "/ (model / N)", "gathers MB per link",
-                 "busiest link's wire s", "push s / wire s", "gather+send s / wire s"], rows))
+    print(table(["ranks", "replicas", "sends", "push s", "gather+send s", "commit s",
+                 "push MB out of busiest trainer link", "/ (model / N)", "gathers MB per link",
+                 "replicas' upload MB", "busiest link", "its wire s", "push s / wire s",
+                 "gather+send s / wire s"], rows))
 
 
-def _row(ranks: int, replicas: int, senders: str, per_rank: list[list[dict]], rate: float
-         ) -> list[object]:
-    model = per_rank[0][0]["nbytes"]
+_WAYS = {"one": "rank 0", "all": "all, gathered", "own": "all, own rows"}
+
+
+def _row(ranks: int, replicas: int, way: str, per_rank: list[list[dict]],
+         replica_tx: list[float], rate: float) -> list[object]:
+    first = per_rank[0][0]
+    model = first["nbytes"]
+    if (way == "own") != first["own_rows"] or (way != "one") != (first["senders"] > 1):
+        raise RuntimeError(f"{way}: went with {first['senders']} senders "
+                           f"({first['reason']}), own rows {first['own_rows']} "
+                           f"({first['own_rows_reason']})")
     push_s = median([r["push_s"] for r in per_rank[0]])
     push_out = [median([r["push_bytes"] for r in rows]) for rows in per_rank]
     gather_out = [median([r["gather_bytes"] for r in rows]) for rows in per_rank]
-    busiest = max(range(ranks), key=lambda r: push_out[r] + gather_out[r])
-    wire_s = (push_out[busiest] + gather_out[busiest]) / rate
-    label = f"{per_rank[0][0]['senders']}" if senders == "all" else "1 (rank 0)"
+    links = {f"trainer {r}": push_out[r] + gather_out[r] for r in range(ranks)}
+    links.update({f"replica {i}": b for i, b in enumerate(replica_tx)})
+    busiest = max(links, key=lambda k: links[k])
+    wire_s = links[busiest] / rate
     send_s = median([r["gather_send_s"] for r in per_rank[0]])
-    return [ranks, replicas, label, f"{push_s:.2f}", f"{send_s:.2f}",
+    return [ranks, replicas, _WAYS[way], f"{push_s:.2f}", f"{send_s:.2f}",
             f"{median([r['commit_s'] for r in per_rank[0]]):.2f}",
             f"{max(push_out) / 1e6:.0f}", f"{max(push_out) / (model / ranks):.2f}x",
-            "/".join(f"{g / 1e6:.0f}" for g in gather_out), f"{wire_s:.2f}",
+            "/".join(f"{g / 1e6:.0f}" for g in gather_out),
+            "/".join(f"{b / 1e6:.0f}" for b in replica_tx), busiest, f"{wire_s:.2f}",
             f"{push_s / wire_s:.2f}x", f"{send_s / wire_s:.2f}x"]
 
 

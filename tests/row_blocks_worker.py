@@ -23,8 +23,10 @@ BUCKET = 1024  # bytes: every large parameter spans many buckets and many blocks
 WIRE = torch.bfloat16
 
 
-def build() -> nn.Module:
+def build(shard_dim: int = 0) -> nn.Module:
+    """`shard_dim`: FSDP2 shards the parameters it divides evenly on that dim."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     torch.manual_seed(0)
     m = nn.Module()
@@ -33,7 +35,9 @@ def build() -> nn.Module:
     m.vec = nn.Parameter(torch.randn(1000))
     m.cube = nn.Parameter(torch.randn(20, 3, 7))
     m.head = nn.Linear(24, 301)
-    fully_shard(m)
+    # (FSDP2 shards another dim only evenly: where it divides by 3.)
+    fully_shard(m, shard_placement_fn=lambda p: Shard(
+        shard_dim if p.dim() > shard_dim and p.shape[shard_dim] % 3 == 0 else 0))
     return m
 
 

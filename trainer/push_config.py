@@ -124,6 +124,17 @@ class PushConfig:
     is its largest parameter (about 3 copies for a moment) plus two buckets.
     "one" keeps row blocks' bound."""
 
+    own_rows: bool = True
+    """With every rank sending an FSDP2 model, each rank sends the rows of its
+    own shards as they are, and nothing is gathered (gather/own_rows.py): each
+    trainer link carries model / N bytes, against about model bytes with the
+    gathers, and no rank holds a full parameter. It goes where every
+    parameter is a dim-0 shard over the whole trainer group (FSDP2's default)
+    or held whole, and every replica has `chunks:interleaved`; otherwise, or
+    False, every rank gathers, and `PushResult.own_rows_reason` says why. The
+    cost is the server's: its load copies each sharded tensor whole, so the
+    load's extra host peak is about the model's bytes (server staging.py)."""
+
     authenticate_buckets: bool = False
     """gloo/NCCL: tag every bucket with a keyed BLAKE2b under the connection's
     secret, checked by every replica before anything loads, so bytes from

@@ -41,6 +41,9 @@ class PushPlan:
     opening: Opening  # rank 0's reading of the servers, the same on every rank
     delta: DeltaPlan | None  # the diff's plan when the push goes as a delta
     why_dense: str | None  # when it does not, why
+    # Why each rank cannot send its own FSDP2 rows (gather/own_rows.py), any
+    # rank's; None: it can, where several ranks send and every replica takes them.
+    why_gathered: str | None = "not asked"
 
     @property
     def encoding(self) -> Encoding:

@@ -3,8 +3,10 @@ kind of push (pusher.py runs them in order).
 
 - dense, one sender: every rank gathers every tensor, rank 0 converts (a
   PEFT merge, a checkpoint layout), packs and sends (`_gather_and_send`);
-- dense, every rank sending: every rank gathers every tensor and sends the
-  buckets the manifest names it for (`_every_rank_sends`);
+- dense, every rank sending: each rank sends the rows of its own FSDP2
+  shards, with no gather (gather/own_rows.py), or, where it cannot, every
+  rank gathers every tensor and sends the buckets the manifest names it
+  for (`_every_rank_sends`);
 - named tensors: the stream in the manifest's order, sent by rank 0 or by
   every rank that holds it (`_send_named`, gather/named_tensors.py);
 - delta: every rank's changes, encoded and sent by rank 0 (`_send_delta`).
@@ -28,6 +30,7 @@ from rollout_sidecar.trainer.errors import Error
 from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
 from rollout_sidecar.trainer.gather.full_tensors import iter_full_tensors
 from rollout_sidecar.trainer.gather.named_tensors import NamedLayout, NamedTensors
+from rollout_sidecar.trainer.gather.own_rows import OwnRows
 from rollout_sidecar.trainer.gather.peft_merge import PeftMerge
 from rollout_sidecar.trainer.pack.sender import BucketSender
 from rollout_sidecar.trainer.push_config import PushConfig
@@ -46,6 +49,8 @@ class Begun(NamedTuple):
     push_ids: list[str]  # each replica's id of this push
     senders: int = 1  # trainer ranks that send this push's buckets
     senders_reason: str | None = None  # why one, where the connection has several
+    own_rows: bool = False  # each rank sends its own FSDP2 rows (gather/own_rows.py)
+    own_rows_reason: str | None = None  # why not, where several ranks send
 
 
 class PushSends:
@@ -147,10 +152,11 @@ class PushSends:
 
     def _every_rank_sends(self, model: nn.Module, begun: Begun, plan: PushPlan,
                           draft: nn.Module | None) -> Sent:
-        """Every rank gathers every tensor and packs and sends the buckets
-        its manifest entries name; rank 0 then has every rank's values and
+        """Every rank packs and sends the buckets its manifest entries name:
+        its own rows (`begun.own_rows`: no gather), or from every tensor
+        gathered whole on every rank; rank 0 then has every rank's values and
         first error (`gather_sent`). Only a dense push of the model's own
-        tensors comes here (`_senders`): no conversion to run."""
+        tensors comes here (push_layout.senders_of): no conversion to run."""
         # Every rank holds the persistent buffers whole (neither FSDP shards
         # them), and gathers every parameter whole: no row blocks, which reach
         # rank 0 alone.
@@ -158,12 +164,15 @@ class PushSends:
         sender: Transport | PeerSender = self.transport if self.rank == 0 else self._peer
         assert sender is not None
         device = self.config.device
-        with drained(with_draft(iter_full_tensors(model, device, buffers), draft, device,
-                                plan.opening.draft_buffers or [])) as gathers:
+        gathers = iter(()) if begun.own_rows else with_draft(
+            iter_full_tensors(model, device, buffers), draft, device,
+            plan.opening.draft_buffers or [])
+        with drained(gathers) as gathers:
             try:
                 mine = self._sent(begun.buckets, *self._sender.send_all(
-                    begun.buckets, gathers, sender, begun.push_ids, sender=self.rank,
-                    check=self._check), transport=sender, sender=self.rank)
+                    begun.buckets, OwnRows(model, buffers) if begun.own_rows else gathers,
+                    sender, begun.push_ids, sender=self.rank, check=self._check),
+                    transport=sender, sender=self.rank)
             except Exception as e:
                 mine = Sent(error=("push", f"{type(e).__name__}: {e}"))
         return gather_sent(self.rank, mine)

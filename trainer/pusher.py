@@ -9,11 +9,12 @@ A push, in order:
      connect the data plane, and say whether a delta or an adapter can go;
   3. plan (push_plan.py), on every rank: the encoding (dense, delta from every
      rank's diff of its own shard, adapter, adapter+base) and why; begin: lay
-     out the buckets, begin on every replica;
+     out the buckets and their senders (push_layout.py), begin on every replica;
   4. gather and send (push_sends.py): every rank gathers every bucket in the
      same order (the collectives line up); rank 0, or every rank its share,
      packs and sends (pack/sender.py): the full tensors, or the changed
-     elements of each rank's shard;
+     elements of each rank's shard; or, where every rank sends an FSDP2
+     model, each rank its own rows, with no gather (gather/own_rows.py);
   5. prepare, then commit, on every replica (two_phase.py): all or
      nothing across replicas, a refusal before the commit aborts everywhere;
      every rank's shard copy then moves to this version (the next delta's base);
@@ -37,28 +38,21 @@ from torch import nn
 
 from rollout_sidecar.protocol.schema import Check, CommitPolicy
 from rollout_sidecar.trainer.adapter.adapter_push import AdapterPush
-from rollout_sidecar.trainer.adapter.lora_adapter import LoraAdapter
 from rollout_sidecar.trainer.control.deadlines import Deadlines
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.control.serving_state import ServingState
 from rollout_sidecar.trainer.delta.delta_push import DeltaPush
-from rollout_sidecar.trainer.draft_push import (
-    draft_plan,
-)
 from rollout_sidecar.trainer.errors import from_kind
-from rollout_sidecar.trainer.gather.checkpoint_layout import CheckpointLayout
 from rollout_sidecar.trainer.gather.full_tensors import (
     MetaDeviceError,
     meta_modules,
-    param_plan,
 )
 from rollout_sidecar.trainer.gather.named_tensors import NamedLayout, NamedTensors
-from rollout_sidecar.trainer.gather.peft_merge import PeftMerge
-from rollout_sidecar.trainer.pack.bucket_senders import assign_senders
-from rollout_sidecar.trainer.pack.buckets import manifest, plan_buckets
+from rollout_sidecar.trainer.pack.buckets import manifest
 from rollout_sidecar.trainer.pack.sender import BucketSender
 from rollout_sidecar.trainer.probe import Forward, LogitsOf, commit_with_forward, probe_push
 from rollout_sidecar.trainer.push_config import PushConfig
+from rollout_sidecar.trainer.push_layout import lay_out, why_gathered
 from rollout_sidecar.trainer.push_opening import Opening, open_push
 from rollout_sidecar.trainer.push_plan import PushPlan
 from rollout_sidecar.trainer.push_result import PushResult
@@ -234,6 +228,7 @@ class WeightPusher(PushSends):
         result.encoding, result.delta_base = plan.encoding, plan.delta_base
         result.adapter_reason = opening.adapter_reason
         result.senders, result.senders_reason = begun.senders, begun.senders_reason
+        result.own_rows, result.own_rows_reason = begun.own_rows, begun.own_rows_reason
         if named is not None:
             result.held_bytes = self._named.held_bytes
         result.check = opening.check
@@ -288,62 +283,26 @@ class WeightPusher(PushSends):
         """Every rank: a delta if one may go and is worth it (the diff is a
         collective), else what `opening` says (push_plan.py)."""
         if opening.draft_buffers is not None:
-            return PushPlan(opening, None, "a push with a drafter: dense")
+            return PushPlan(opening, None, "a push with a drafter: dense",
+                            "a push with a drafter: every rank gathers")
         if isinstance(model, NamedTensors):
             return PushPlan(opening, None, opening.why_dense)
         delta, why_dense = self._delta.plan(model, opening, self.config.bucket_bytes) \
             if self._delta is not None else (None, None)
-        return PushPlan(opening, delta, why_dense)
+        return PushPlan(opening, delta, why_dense, why_gathered(model, opening, self.config))
 
     def _begin(self, model: nn.Module | NamedTensors, version: int, plan: PushPlan,
                draft: nn.Module | None) -> Begun:
-        """Rank 0: lay out the buckets (a delta's are planned), begin everywhere."""
-        serving = self._serving
-        buffers = plan.opening.buffers if plan.sends_buffers else ()
-        if plan.delta is not None:
-            buckets = plan.delta.buckets
-        else:
-            if isinstance(model, NamedTensors):
-                assert serving.index is not None
-                params = self._named.plan(serving.index)
-            elif plan.adapter is not None:
-                params = LoraAdapter(model).plan(param_plan(model, buffers),
-                                                 plan.adapter.with_base)
-            else:
-                merge = PeftMerge(model)
-                params = CheckpointLayout(merge.base_model).plan(
-                    merge.plan(param_plan(model, buffers)))
-            if draft is not None and plan.opening.draft_buffers is not None:
-                params += draft_plan(draft, plan.opening.draft_buffers)
-            buckets = plan_buckets(params, serving.serve_dtype, self.config.bucket_bytes,
-                                   serving.wire_dtypes, self.config.split_tensors)
-        senders, why = self._senders(plan)
-        if isinstance(model, NamedTensors) and not model.every_rank and senders > 1:
-            senders, why = 1, "named tensors given on rank 0 alone"
-        if senders > 1:
-            buckets = assign_senders(buckets, senders)
-        push_ids = self._two_phase.begin(version, manifest(buckets), self.config.commit_policy,
-                                         serving.commit_timeout_s, plan.delta_base,
+        """Rank 0: lay out the buckets (push_layout.py), begin everywhere."""
+        lay = lay_out(model, plan, draft, self._serving, self.config, self._named)
+        push_ids = self._two_phase.begin(version, manifest(lay.buckets),
+                                         self.config.commit_policy,
+                                         self._serving.commit_timeout_s, plan.delta_base,
                                          plan.adapter.model_dump(exclude_none=True)
                                          if plan.adapter is not None else None,
                                          plan.opening.check)
-        return Begun(buckets, push_ids, senders, why)
-
-    @staticmethod
-    def _senders(plan: PushPlan) -> tuple[int, str | None]:
-        """This push's senders: the connection's, for a dense push of the
-        model's own tensors; rank 0 encodes a delta or an adapter, and
-        converts a PEFT model or a checkpoint layout."""
-        o = plan.opening
-        if o.senders == 1:
-            return 1, o.senders_reason
-        if plan.delta is not None:
-            return 1, "a delta push: rank 0 encodes every rank's changes"
-        if plan.adapter is not None:
-            return 1, "an adapter push: rank 0 converts the factors"
-        if not o.keep_copy and o.index is None:  # (named tensors keep no copy either)
-            return 1, "a PEFT model or a checkpoint conversion: rank 0 converts"
-        return o.senders, None
+        return Begun(lay.buckets, push_ids, lay.senders, lay.senders_reason, lay.own_rows,
+                     lay.own_rows_reason)
 
     def _commit(self, begun: Begun, sent: Sent, restarted: bool) -> PushResult:
         """Rank 0: abort on a send error, else prepare and commit everywhere."""

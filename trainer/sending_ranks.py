@@ -1,10 +1,12 @@
 """Every trainer rank sends its share of a dense push (issue 44): which ranks
 send, how they all connect, and how rank 0 learns what each one sent.
 
-Why: every rank holds each gathered tensor anyway (FSDP2's `full_tensor()`,
+Why: every rank holds its own FSDP2 rows, which it sends as they are
+(gather/own_rows.py), or each gathered tensor (FSDP2's `full_tensor()`,
 FSDP1's `summon_full_params`), so the bytes need not all leave through rank
-0's link. With N senders each bucket leaves from one rank, shared out by bytes
-(pack/bucket_senders.py), so each trainer link carries about 1/N of the push.
+0's link. With N senders each bucket leaves from one rank (its rows' rank,
+or shared out by bytes: pack/bucket_senders.py), so each trainer link
+carries about 1/N of the push.
 
 Connecting (`connect_every_rank`): rank 0 draws the rendezvous (its
 `_open`), every rank gets it with the opening, and ranks 1 .. N-1 join the

@@ -28,6 +28,7 @@ from rollout_sidecar.protocol.schema.generate_api import (
 from rollout_sidecar.protocol.schema.weights_api import (
     CAPABILITIES,
     CHECK_SUM64,
+    CHUNKS_INTERLEAVED,
     SENDERS,
     SENDERS_NCCL,
     AbortRequest,
@@ -56,7 +57,8 @@ from rollout_sidecar.protocol.schema.weights_api import (
 )
 
 __all__ = [
-    "CAPABILITIES", "CHECK_SUM64", "DRAFT", "DRAFT_PREFIX", "SENDERS", "SENDERS_NCCL",
+    "CAPABILITIES", "CHECK_SUM64", "CHUNKS_INTERLEAVED", "DRAFT", "DRAFT_PREFIX", "SENDERS",
+    "SENDERS_NCCL",
     "DraftOutcome", "DrafterStatus", "is_draft",
     "AbortRequest", "AdapterSpec", "BeginRequest", "BeginResponse", "BucketManifest",
     "Check", "CommitPolicy", "CommitRequest", "CommitResponse", "ConnectRequest", "ConnectResponse",

@@ -43,7 +43,10 @@ SENDERS = "senders"  # buckets from several trainer ranks (`ConnectRequest.sende
 CHECK_SUM64 = "check:sum64"  # `BeginRequest.check` "sum64"
 # Several senders over NCCL too (relayed in fused steps, data_plane/chain_steps.py).
 SENDERS_NCCL = "senders:nccl"
-CAPABILITIES = (SENDERS, CHECK_SUM64, SENDERS_NCCL)
+# A split tensor's chunks in any order, anywhere in the manifest: each trainer
+# rank sends the rows of its own FSDP2 shards (trainer/gather/own_rows.py).
+CHUNKS_INTERLEAVED = "chunks:interleaved"
+CAPABILITIES = (SENDERS, CHECK_SUM64, SENDERS_NCCL, CHUNKS_INTERLEAVED)
 Mac = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # bucket_mac.py's tag
 _HEX_SECRET = re.compile(r"(?:[0-9a-fA-F]{2})+")
 
@@ -95,8 +98,11 @@ class TensorSlot(StrictModel):
 
     Floating tensors travel in the serving dtype; integer and bool tensors
     (persistent buffers such as routing tables) in their own. A tensor larger
-    than a bucket is split: its chunks, in consecutive entries, carry
-    `chunk_offset` and `nbytes` and cover its bytes exactly once, in order."""
+    than a bucket, or sent by several trainer ranks (each its own rows), is
+    split: its chunks carry `chunk_offset` and `nbytes` and cover its bytes
+    exactly once. A server with the capability `chunks:interleaved` takes
+    them in any order and anywhere in the manifest; an older one, in
+    consecutive entries and in order."""
 
     name: str
     dtype: str
@@ -410,7 +416,9 @@ class WeightStatus(ReplyModel):
     capabilities: list[str] = Field(
         default_factory=list, description="What this server takes beyond the first protocol, "
         "for a trainer to ask before it uses it: `senders` (buckets from several trainer "
-        "ranks, `ConnectRequest.senders`), `check:sum64` (`BeginRequest.check`).")
+        "ranks, `ConnectRequest.senders`), `senders:nccl` (the same over NCCL), "
+        "`check:sum64` (`BeginRequest.check`), `chunks:interleaved` (a split tensor's chunks "
+        "in any order: `TensorSlot`), `draft` (a drafter that takes pushes).")
     push_timeout_s: float = Field(description="The deadline of one push, begin to commit.")
     commit_drain_s: float = Field(description="Longest wait for in-flight requests at a commit.")
     broken: str | None = Field(None, description="Set after a load failed mid-commit: "

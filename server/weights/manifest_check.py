@@ -12,47 +12,53 @@ from rollout_sidecar.server.weights.adapter_check import AdapterFactors
 
 
 @dataclass
-class _Split:
-    name: str
-    covered: int  # bytes from 0 that chunks so far carry
-    total: int
+class _Chunk:
+    start: int
+    nbytes: int
+    field: str
 
 
 class _ChunkCoverage:
-    """A split tensor's chunks come in consecutive entries and cover its bytes
-    exactly once, in order: from byte 0, no gap, no overlap, to its end.
-    Staging reassembles them in that order, one tensor at a time."""
+    """A split tensor's chunks cover its bytes exactly once: no gap, no
+    overlap. They may come in any order and anywhere in the manifest (each
+    trainer rank sends the rows of its own shards, so one tensor's chunks
+    interleave with the other ranks' buckets: capability `chunks:interleaved`);
+    staging reassembles each tensor once its last byte has come."""
 
     def __init__(self) -> None:
-        self.open: _Split | None = None
+        self.split: dict[str, list[_Chunk]] = {}
+        self.totals: dict[str, int] = {}
 
-    def size(self, p: TensorSlot, total: int, f: str) -> int:
-        """Bytes the entry occupies in its bucket; raise if it breaks coverage."""
-        o = self.open
-        if o is not None and (p.chunk_offset is None or p.name != o.name):
-            raise BadRequest(f"{o.name}: chunks cover bytes 0..{o.covered} of {o.total}; the "
-                             f"next entry must be its chunk at byte {o.covered}", f"{f}.name")
+    def size(self, p: TensorSlot, total: int, itemsize: int, f: str) -> int:
+        """Bytes the entry occupies in its bucket; raise if it is malformed."""
         if p.chunk_offset is None and p.nbytes is None:
             return total
         if p.chunk_offset is None or p.nbytes is None:
             raise BadRequest(f"{p.name}: a chunk needs both chunk_offset and nbytes",
                              f"{f}.chunk_offset")
-        covered = o.covered if o is not None else 0
-        if p.chunk_offset != covered:
-            what = "an overlap" if p.chunk_offset < covered else "a gap"
-            raise BadRequest(f"{p.name}: chunk at byte {p.chunk_offset}, but its next chunk "
-                             f"must start at byte {covered} ({what})", f"{f}.chunk_offset")
-        if p.nbytes <= 0 or covered + p.nbytes > total:
-            raise BadRequest(f"{p.name}: chunk of {p.nbytes} bytes at byte {covered} does not "
-                             f"fit the tensor's {total} bytes", f"{f}.nbytes")
-        covered += p.nbytes
-        self.open = _Split(p.name, covered, total) if covered < total else None
+        if p.chunk_offset % itemsize or p.nbytes % itemsize:
+            raise BadRequest(f"{p.name}: chunk at byte {p.chunk_offset} of {p.nbytes} bytes "
+                             f"splits an element of {itemsize} bytes", f"{f}.chunk_offset")
+        if p.nbytes <= 0 or p.chunk_offset + p.nbytes > total:
+            raise BadRequest(f"{p.name}: chunk of {p.nbytes} bytes at byte {p.chunk_offset} "
+                             f"does not fit the tensor's {total} bytes", f"{f}.nbytes")
+        self.split.setdefault(p.name, []).append(_Chunk(p.chunk_offset, p.nbytes, f))
+        self.totals[p.name] = total
         return p.nbytes
 
     def finish(self) -> None:
-        if (o := self.open) is not None:
-            raise BadRequest(f"{o.name}: chunks cover only bytes 0..{o.covered} of {o.total}",
-                             "buckets")
+        for name, chunks in self.split.items():
+            covered = 0
+            for c in sorted(chunks, key=lambda c: c.start):
+                if c.start != covered:
+                    what = "an overlap" if c.start < covered else "a gap"
+                    raise BadRequest(f"{name}: chunk at byte {c.start}, but its chunks cover "
+                                     f"bytes 0..{covered} before it ({what})",
+                                     f"{c.field}.chunk_offset")
+                covered += c.nbytes
+            if covered != self.totals[name]:
+                raise BadRequest(f"{name}: chunks cover only bytes 0..{covered} of "
+                                 f"{self.totals[name]}", "buckets")
 
 
 def _patch_size(p: TensorSlot, f: str) -> int:
@@ -85,6 +91,7 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
                              "that did not change may carry no bucket", "buckets")
         return  # unchanged: the staged copy of delta_base is the whole checkpoint
     seen: set[str] = set()
+    whole: set[str] = set()  # sent unsplit: any other entry of it is a second copy
     chunks = _ChunkCoverage()
     factors = AdapterFactors(req.adapter, index, serve_dtype, max_lora_rank) \
         if req.adapter is not None else None
@@ -112,10 +119,12 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
             if spec is None:
                 raise BadRequest(f"unknown parameter {p.name!r}: the served checkpoint has no "
                                  "such tensor (check name normalisation)", f"{f}.name")
-            continues = chunks.open is not None and chunks.open.name == p.name
-            if p.name in seen and not continues:
+            chunk = p.chunk_offset is not None or p.nbytes is not None
+            if p.name in whole or (p.name in seen and not chunk):
                 raise BadRequest(f"parameter {p.name!r} sent twice", f"{f}.name")
             seen.add(p.name)
+            if not chunk:
+                whole.add(p.name)
             if tuple(p.shape) != spec.shape:
                 raise BadRequest(f"{p.name}: shape {list(p.shape)}, server expects "
                                  f"{list(spec.shape)}", f"{f}.shape")
@@ -130,7 +139,8 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
             if p.patch is not None:
                 size = _patch_size(p, f)
             else:
-                size = chunks.size(p, dtype_itemsize(p.dtype) * spec.numel, f)
+                size = chunks.size(p, dtype_itemsize(p.dtype) * spec.numel,
+                                   dtype_itemsize(p.dtype), f)
             if p.offset < end_prev or p.offset % dtype_itemsize(p.dtype):
                 raise BadRequest(f"{p.name}: offset {p.offset} overlaps or is misaligned",
                                  f"{f}.offset")

@@ -227,7 +227,9 @@ def body(args: argparse.Namespace, rank: int) -> dict:
                 res = pusher.push(model, version=version)
                 run.update(error=None, probe=res.probe.model_dump() if res.probe else None,
                            timings=res.timings, encoding=res.encoding,
-                           delta_reason=res.delta_reason, nbytes=res.nbytes)
+                           delta_reason=res.delta_reason, nbytes=res.nbytes,
+                           senders=res.senders, own_rows=res.own_rows,
+                           own_rows_reason=res.own_rows_reason)
             except WeightPushError as e:
                 run.update(error=str(e), error_type=type(e).__name__)
             if armed and rank == 0:

@@ -73,6 +73,13 @@ class ServingState:
         assert self.index is not None
         return {n: torch_dtype(t.dtype) for n, t in self.index.tensors.items()}
 
+    def lacks(self, capability: str) -> str | None:
+        """Which replica predates `capability` (`WeightStatus.capabilities`),
+        said for a `PushResult` reason; None when every one has it."""
+        old = [i for i, st in enumerate(self.statuses) if capability not in st.capabilities]
+        return f"replica {old[0]} predates '{capability}' (not in its capabilities)" \
+            if old else None
+
     @property
     def versions(self) -> list[int]:
         return [st.weight_version for st in self.statuses]

@@ -143,13 +143,20 @@ class FlatCursor:
     blocks: `copy_to` fills a bucket's chunk from wherever its elements are,
     casting as it copies. Forward-only; a block is dropped once passed."""
 
-    def __init__(self, source: torch.Tensor | RowBlocks) -> None:
+    def __init__(self, source: torch.Tensor | RowBlocks, start: int = 0,
+                 numel: int | None = None) -> None:
+        """`start`, `numel`: `source` is a part of a larger tensor (a rank's
+        own rows, gather/own_rows.py), from element `start` of its `numel`."""
         self._blocks = source if isinstance(source, RowBlocks) else None
         # a whole tensor, flat: a view, or (not contiguous) one copy for all chunks
         self._flat = None if self._blocks else source.reshape(-1)
-        self._start = 0  # element index of self._flat[0] in the whole tensor
+        self._start = start  # element index of self._flat[0] in the whole tensor
+        self._numel = numel
 
     def numel(self) -> int:
+        """Elements of the whole tensor."""
+        if self._numel is not None:
+            return self._numel
         return self._blocks.numel() if self._blocks else self._flat.numel()
 
     def copy_to(self, dst: torch.Tensor, first: int) -> None:

@@ -61,8 +61,9 @@ class _Planner:
                                            nbytes=None))
 
     def place_split(self, name: str, shape: tuple[int, ...], dt: torch.dtype,
-                    size: int) -> None:
-        done = 0
+                    size: int, done: int = 0) -> None:
+        """Bytes [done, size) of the tensor, as chunks (from `done`: a rank's
+        own rows, pack/rank_buckets.py)."""
         while done < size:
             # Whole elements per chunk: the sender casts chunk by chunk.
             room = (self.bucket_bytes - self.start()) // dt.itemsize * dt.itemsize

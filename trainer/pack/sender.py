@@ -28,6 +28,7 @@ from rollout_sidecar.protocol.data_plane.wire_format import slot_bytes, torch_dt
 from rollout_sidecar.protocol.failpoints import fire
 from rollout_sidecar.protocol.schema import BucketManifest, Check, TensorSlot
 from rollout_sidecar.trainer.errors import Error  # (kind, message): see errors.py
+from rollout_sidecar.trainer.gather.own_rows import OwnRows
 from rollout_sidecar.trainer.gather.row_blocks import PACKING_RANK, FlatCursor, RowBlocks
 from rollout_sidecar.trainer.pack.finite import all_finite
 from rollout_sidecar.trainer.transport.base import Pending, Transport
@@ -50,7 +51,8 @@ class BucketSender:
                                          pin_memory=pin) for _ in range(2)]
         return self._buffers
 
-    def send_all(self, buckets: list[BucketManifest], tensors: Iterator[tuple[str, torch.Tensor]],
+    def send_all(self, buckets: list[BucketManifest],
+                 tensors: Iterator[tuple[str, torch.Tensor]] | OwnRows,
                  transport: Transport, push_ids: list[str], *, sender: int | None = None,
                  check: Check = "crc32") -> tuple[list[int], Error | None]:
         """Send every bucket; returns the check values and the first error.
@@ -58,11 +60,15 @@ class BucketSender:
         they are. With `sender` (every rank sends: pusher.py), only the
         buckets whose manifest names this rank are packed and sent, and the
         values are theirs, in order; every tensor is still drawn, so this rank
-        takes part in every gather."""
+        takes part in every gather. `OwnRows` instead of gathered tensors:
+        this rank's buckets hold only its own rows (gather/own_rows.py),
+        read by name; nothing is drawn, as nothing is gathered."""
         mine = [b for b in buckets if sender is None or b.source == sender]
+        own = tensors if isinstance(tensors, OwnRows) else None
         if not mine:  # an unchanged delta, or no share for this rank: nothing to send
-            for _ in _drawn(buckets, tensors):
-                pass
+            if not isinstance(tensors, OwnRows):
+                for _ in _drawn(buckets, tensors):
+                    pass
             return [], None
         buffers = self._buffers_for(max(b.nbytes for b in mine), transport.buffer_device)
         in_flight: list[Pending | None] = [None, None]
@@ -81,7 +87,10 @@ class BucketSender:
                 in_flight[slot] = None
             buf = buffers[slot][: b.nbytes] if ours else None
             for s in b.params:
-                if s.first:  # gathered on every rank, same order; a split tensor once
+                if own is not None:  # own rows: no gather, only this rank's buckets
+                    if ours and err is None:
+                        name, full, err = _own(own, s)
+                elif s.first:  # gathered on every rank, same order; a split tensor once
                     name, full = next(tensors)
                     # Another rank's row blocks: only rank 0 gets their rows.
                     drawn_only = not ours and isinstance(full, RowBlocks)
@@ -95,7 +104,7 @@ class BucketSender:
                         full, err = _cursor(name, full)
                 if err is None and buf is not None:
                     err = _pack(buf, s, name, full)
-                if s.last:
+                if s.last and own is None:
                     full = None  # freed before the next gather
             if err is not None or buf is None:
                 continue  # keep gathering so peers never hang; send nothing more
@@ -138,6 +147,14 @@ def _drawn(buckets: list[BucketManifest], tensors: Iterator[tuple[str, torch.Ten
         for s in b.params:
             if s.first:
                 yield next(tensors)[0]
+
+
+def _own(own: OwnRows, slot: TensorSlot
+         ) -> tuple[str, torch.Tensor | FlatCursor | None, Error | None]:
+    try:
+        return slot.name, own.source(slot), None
+    except Exception as e:  # a name the model lacks: agreed on at the commit
+        return slot.name, None, ("push", f"packing {slot.name} failed: {type(e).__name__}: {e}")
 
 
 def _cursor(name: str, full: torch.Tensor | RowBlocks

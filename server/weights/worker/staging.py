@@ -18,16 +18,19 @@ released from that cache (`_host_emptyCache`), and a delta's patches, applied
 on the host and never copied to the GPU, are not pinned at all. The staged
 copy's bucket sizes repeat from push to push, so its pool reallocates nothing.
 
-A tensor larger than a bucket arrives split across consecutive buckets. At
-load time its chunks are copied, in order, into one new contiguous tensor:
-the one copy a split costs the server. Unsplit tensors stay zero-copy views.
+A tensor larger than a bucket arrives split across buckets, and with every
+trainer rank sending its own FSDP2 rows (trainer/gather/own_rows.py) every
+sharded tensor arrives as one chunk per rank, in different buckets. At load
+time a split tensor's chunks are copied into one new contiguous tensor: the
+one copy a split costs the server. Unsplit tensors stay zero-copy views.
 vLLM's layerwise reload keeps every tensor it was given until its layer is
 processed, and reload.py defers all processing until `load_weights` has
 returned (that is what makes the load all-or-nothing), so the copies of all
 split tensors are alive together at the end of the load: the load's extra
 peak is the sum of the split tensors' bytes (a 150k-vocabulary model with
 buckets larger than its MLP weights: embedding + lm_head, 2 x 1.2 GB at
-hidden 4096), freed when the load ends.
+hidden 4096; a push of own rows: about the model's bytes), freed when the
+load ends.
 """
 
 from __future__ import annotations
@@ -176,24 +179,27 @@ class Staging:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) in manifest order: views into the staged buffers, but
-        a split tensor reassembled into a new one (its chunks are consecutive
-        and cover it exactly once: manifest_check.py)."""
-        whole: torch.Tensor | None = None  # the split tensor being reassembled
+        a split tensor reassembled into a new one, yielded where its last
+        chunk lands (its chunks cover it exactly once, in any order and
+        anywhere in the manifest: manifest_check.py)."""
+        whole: dict[str, tuple[torch.Tensor, int]] = {}  # split tensors: bytes so far
         for b in self.buckets:
             for p in b.params:
                 start = p.chunk_offset
                 if start is None:
                     yield p.name, slot_tensor(b.buffer, p)
                     continue
-                if start == 0:
-                    whole = torch.empty(p.tensor_nbytes, dtype=torch.uint8,
-                                        device=b.buffer.device)
-                if whole is None:  # manifest_check.py refuses such a manifest
-                    raise ValueError(f"{p.name}: chunk at byte {start} before its first")
-                whole[start: start + p.length].copy_(slot_bytes(b.buffer, p))
-                if p.last:
-                    yield p.name, whole.view(torch_dtype(p.dtype)).view(p.shape)
-                    whole = None
+                buf, covered = whole.get(p.name) or (torch.empty(
+                    p.tensor_nbytes, dtype=torch.uint8, device=b.buffer.device), 0)
+                buf[start: start + p.length].copy_(slot_bytes(b.buffer, p))
+                covered += p.length
+                if covered < p.tensor_nbytes:
+                    whole[p.name] = (buf, covered)
+                    continue
+                whole.pop(p.name, None)
+                yield p.name, buf.view(torch_dtype(p.dtype)).view(p.shape)
+        if whole:  # manifest_check.py refuses such a manifest
+            raise ValueError(f"{next(iter(whole))}: chunks do not cover the tensor")
 
 
 def _release_cached_pinned() -> None:

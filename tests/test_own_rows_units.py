@@ -1,0 +1,85 @@
+"""Every trainer rank sends its own FSDP2 rows, nothing gathered
+(trainer/gather/own_rows.py): the planner's layout, and a real 3-rank gloo
+FSDP2 model whose buckets, staged and reassembled by the server's own code,
+equal torch's full state dict bit for bit (tests/own_rows_worker.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_sidecar.protocol.schema import BeginRequest
+from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex, TensorSpec
+from rollout_sidecar.server.weights.manifest_check import check_manifest
+from rollout_sidecar.trainer.gather.own_rows import Piece
+from rollout_sidecar.trainer.pack.buckets import manifest
+from rollout_sidecar.trainer.pack.rank_buckets import plan_rank_buckets
+from tests import processes
+
+WORKER = Path(__file__).with_name("own_rows_worker.py")
+
+
+def _pieces(world: int) -> list[list[Piece]]:
+    """A (301, 24) tensor's rows over `world` ranks (torch.chunk's split), a
+    small one held whole by rank 0."""
+    out: list[list[Piece]] = [[] for _ in range(world)]
+    c = -(-301 // world)
+    for r in range(world):
+        if r * c < 301:
+            out[r].append(Piece("w", (301, 24), torch.float32, r, r * c, min(301, (r + 1) * c)))
+    out[0].append(Piece("b", (24,), torch.float32, 0, 0, 24, whole=True))
+    return out
+
+
+@pytest.mark.parametrize("world, bucket", [(2, 1024), (3, 4096), (4, 64), (3, 1 << 20)])
+def test_each_rank_buckets_hold_its_rows_once_and_the_manifest_alternates(world, bucket):
+    buckets = plan_rank_buckets(_pieces(world), torch.bfloat16, bucket)
+    index = CheckpointIndex({"w": TensorSpec((301, 24), "bfloat16"),
+                             "b": TensorSpec((24,), "bfloat16")}, tie_word_embeddings=False)
+    check_manifest(BeginRequest(version=1, buckets=manifest(buckets)), index, "bfloat16")
+    assert [b.index for b in buckets] == list(range(len(buckets)))
+    assert all(b.nbytes <= bucket for b in buckets)
+    c = -(-301 // world)
+    for b in buckets:  # each chunk of w lies inside its sender's rows
+        for s in b.params:
+            if s.name == "w":
+                first, end = b.source * c * 48, min(301, (b.source + 1) * c) * 48
+                assert first <= s.chunk_offset and s.chunk_offset + s.length <= end, (b, s)
+    # The first `world` buckets come from `world` different ranks (taken side by side).
+    assert len({b.source for b in buckets[:world]}) == min(world, len(buckets))
+
+
+def run(tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / "report.json"
+    proc = processes.run(processes.torchrun(WORKER, ["--out", out, *flags], nproc=3),
+                         env=processes.repo_env(), timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.e2e  # torchrun ranks: not in --fast
+@pytest.mark.parametrize("bucket", ["1024", "100000"])
+def test_own_rows_staged_by_the_server_equal_torch_full_state_dict(tmp_path, bucket):
+    r = run(tmp_path, "--bucket", bucket)
+    assert r["why_not"] is None
+    assert r["mismatched"] == []
+    assert r["compared"] == sorted(["embed.weight", "narrow.weight", "narrow.bias", "vec",
+                                    "cube", "head.weight", "head.bias", "routes"])
+    assert r["largest_bucket"] <= int(bucket)
+    # Every rank sent: each about a third of the bytes (rank 2 holds 99 of 301
+    # rows, and none of the 2-row weight), and the sharded tensors' chunks lie
+    # in buckets of different ranks, not one after the other.
+    assert set(r["senders"]) == {0, 1, 2}
+    total = sum(r["bytes_by_rank"])
+    assert all(0.25 * total < b < 0.42 * total for b in r["bytes_by_rank"]), r["bytes_by_rank"]
+    if bucket == "1024":  # several buckets a rank
+        assert {"embed.weight", "head.weight", "vec"} <= set(r["interleaved"]), r["interleaved"]
+
+
+@pytest.mark.e2e
+def test_a_shard_on_another_dim_is_not_rows_and_names_the_parameter(tmp_path):
+    r = run(tmp_path, "--shard-dim", "1")
+    assert r["why_not"].startswith("cube is not a row shard: placements [Shard(dim=1)]"), r

@@ -1,0 +1,165 @@
+"""Each trainer rank's own rows: a dense push with no gather at all.
+
+An FSDP2 parameter is, by default, a DTensor sharded on dim 0 over a 1-D mesh:
+mesh rank i holds rows [i*c, min((i+1)*c, d0)), c = ceil(d0 / n) (torch.chunk,
+which FSDP2 pads to equal shards: `_init_sharded_param` in torch's
+`fsdp/_fully_shard/_fsdp_param.py`; the unpadded rows are `to_local()`). Rows
+[a, b) of a C-order tensor are one byte range: a chunk, in the manifest's
+terms (`TensorSlot.chunk_offset`, `nbytes`). So every rank sends its own rows
+as they are, and nothing is gathered: each trainer link carries model / N
+bytes. Every rank sending after full gathers instead uploads (N - 1) / N of
+the model for the gathers on top (bench/push_links.py measures both).
+
+This goes where every rank sends a dense push of the model's own tensors
+(no drafter), every parameter is a row shard over a mesh of the whole trainer
+group or held whole (no FSDP, DDP), and every replica takes a split tensor's
+chunks in any order (`chunks:interleaved`). Otherwise (HSDP's 2-D mesh,
+`shard_placement_fn` on another dim, tensor parallelism) `why_not` names the
+first parameter that is not, and every rank gathers as before.
+
+The layout (`rank_pieces`, then pack/rank_buckets.py): each rank's rows, in
+`param_plan` order, and the tensors every rank holds whole (persistent
+buffers, unsharded parameters), each to the rank with the fewest bytes so far.
+
+The cost is the server's: each sharded tensor arrives as one chunk per rank,
+and a split tensor is copied whole at load (server staging.py), so a load's
+extra host peak is about the model's bytes instead of its split tensors'.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rollout_sidecar.protocol.schema import TensorSlot
+from rollout_sidecar.trainer.gather.full_tensors import _is_fsdp1, _unwrap, persistent_buffers
+from rollout_sidecar.trainer.gather.names import normalize_name
+from rollout_sidecar.trainer.gather.row_blocks import FlatCursor
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [first, end) of tensor `name`, held by trainer rank `rank`
+    (`whole`: every rank holds all of it, and `rank` sends it)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rank: int
+    first: int
+    end: int
+    whole: bool = False
+
+    @property
+    def covers_tensor(self) -> bool:
+        return self.first == 0 and self.end == (self.shape[0] if self.shape else 1)
+
+
+def _row_shard_ranks(p: torch.Tensor) -> list[int]:
+    """The global ranks holding DTensor `p`'s row shards, in mesh order;
+    ValueError unless it is sharded on dim 0 over a 1-D mesh."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = p.device_mesh, p.placements
+    if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard \
+            or placements[0].dim != 0 or p.dim() == 0:
+        raise ValueError(f"placements {list(placements)} over a {mesh.ndim}-D mesh")
+    return [int(r) for r in mesh.mesh.tolist()]
+
+
+def _rows(d0: int, n: int) -> list[tuple[int, int]]:
+    """Each mesh rank's rows of a dim-0 shard (torch.chunk's split)."""
+    c = math.ceil(d0 / n) if d0 else 0
+    return [(min(i * c, d0), min((i + 1) * c, d0)) for i in range(n)]
+
+
+def why_not(model: nn.Module, world: int) -> str | None:
+    """Why this rank's model cannot send its own rows (None: it can). Every
+    rank must ask (the local shard's rows are checked) and agree."""
+    model = _unwrap(model)
+    if not dist.is_initialized():
+        return "no process group"
+    if _is_fsdp1(model):
+        return "FSDP1: flat parameters, not rows (FSDP2 sends its own rows)"
+    me = dist.get_rank()
+    for name, p in model.named_parameters():
+        if not hasattr(p, "placements"):
+            continue  # held whole
+        try:
+            ranks = _row_shard_ranks(p)
+        except ValueError as e:
+            return f"{normalize_name(name)} is not a row shard: {e}"
+        if sorted(ranks) != list(range(world)):
+            return f"{normalize_name(name)} is sharded over ranks {ranks}, not the {world} " \
+                "trainer ranks"
+        first, end = _rows(p.shape[0], len(ranks))[ranks.index(me)]
+        if tuple(p.to_local().shape) != (end - first, *p.shape[1:]):
+            return (f"{normalize_name(name)}: this rank holds {list(p.to_local().shape)}, "
+                    f"not rows {first}..{end} of {list(p.shape)}")
+    return None
+
+
+def rank_pieces(model: nn.Module, world: int, buffers: Sequence[str] = ()
+                ) -> list[list[Piece]]:
+    """Every rank's pieces, in `param_plan` order (the same on every rank;
+    no collective). `buffers` (persistent buffer names) come last."""
+    model = _unwrap(model)
+    out: list[list[Piece]] = [[] for _ in range(world)]
+    load = [0] * world
+
+    def whole(name: str, t: torch.Tensor) -> None:
+        r = min(range(world), key=lambda r: (load[r], r))
+        rows = t.shape[0] if t.dim() else 1
+        out[r].append(Piece(name, tuple(t.shape), t.dtype, r, 0, rows, whole=True))
+        load[r] += t.numel() * t.element_size()
+
+    for name, p in model.named_parameters():
+        name = normalize_name(name)
+        if not hasattr(p, "placements"):
+            whole(name, p)
+            continue
+        ranks = _row_shard_ranks(p)
+        row_bytes = math.prod(p.shape[1:]) * p.element_size()
+        for r, (first, end) in zip(ranks, _rows(p.shape[0], len(ranks)), strict=True):
+            if end > first:
+                out[r].append(Piece(name, tuple(p.shape), p.dtype, r, first, end))
+                load[r] += (end - first) * row_bytes
+    bufs = persistent_buffers(model) if buffers else {}
+    for name in buffers:
+        whole(name, bufs[name])
+    return out
+
+
+class OwnRows:
+    """This rank's source for its pieces: each tensor's local rows (or the
+    whole tensor), found by name as the sender packs them."""
+
+    def __init__(self, model: nn.Module, buffers: Sequence[str] = ()) -> None:
+        model = _unwrap(model)
+        self._params = {normalize_name(n): p.detach() for n, p in model.named_parameters()}
+        self._params.update(persistent_buffers(model) if buffers else {})
+        self._cursors: dict[str, FlatCursor] = {}
+
+    def source(self, slot: TensorSlot) -> torch.Tensor | FlatCursor:
+        """An unsplit slot's tensor (this rank holds it whole), or a cursor
+        over this rank's rows that takes the whole tensor's element offsets
+        (`FlatCursor.copy_to`), one per tensor for all its chunks."""
+        p = self._params[slot.name]
+        sharded = hasattr(p, "placements")
+        local = p.to_local() if sharded else p
+        if slot.chunk_offset is None:
+            return local
+        cursor = self._cursors.get(slot.name)
+        if cursor is None:
+            first = 0
+            if sharded:
+                ranks = _row_shard_ranks(p)
+                first = _rows(p.shape[0], len(ranks))[ranks.index(dist.get_rank())][0]
+            cursor = FlatCursor(local, start=first * math.prod(p.shape[1:]), numel=p.numel())
+            self._cursors[slot.name] = cursor
+        return cursor
