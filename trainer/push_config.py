@@ -107,7 +107,11 @@ class PushConfig:
     so the trainer's link carries each bucket once however many replicas
     listen), or "auto" (chain for gloo with more than one receiver, else
     broadcast: NCCL's broadcast is a pipelined ring already). Several
-    senders always chain."""
+    senders always chain. With "auto", a gloo chain over several replicas
+    that all offer `chain:ring` is entered at each replica in turn (bucket
+    k at replica k mod R: protocol/data_plane/ring_route.py), so each
+    replica's link relays (R - 1) / R of the push instead of the first
+    replica's relaying all of it; "chain" keeps one entry."""
 
     senders: Literal["all", "one"] = "all"
     """Which trainer ranks send a dense push's buckets over gloo or NCCL: "all" (each
@@ -118,11 +122,13 @@ class PushConfig:
     that predates it (no `senders` in its capabilities, or no `senders:nccl`
     for NCCL), HTTP, one rank, a delta or an adapter
     push (rank 0 encodes them), a PEFT model or checkpoint conversion (rank 0
-    converts). Every rank then gathers each FSDP2 parameter whole
-    (`full_tensor()`, as FSDP2 does itself): `row_blocks`, which bring a large
-    one to rank 0 alone, apply to one sender only, so a rank's transient peak
-    is its largest parameter (about 3 copies for a moment) plus two buckets.
-    "one" keeps row blocks' bound."""
+    converts). Each FSDP2 rank then sends its own rows (`own_rows`), holding
+    two buckets and nothing gathered; where those cannot go, every rank
+    gathers each parameter whole (`full_tensor()`, as FSDP2 does itself):
+    `row_blocks`, which bring a large one to rank 0 alone, apply to one
+    sender only, so a rank's transient peak is then its largest parameter
+    (about 3 copies for a moment) plus two buckets. "one" keeps row blocks'
+    bound."""
 
     own_rows: bool = True
     """With every rank sending an FSDP2 model, each rank sends the rows of its

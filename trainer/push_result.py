@@ -64,6 +64,7 @@ class PushResult:
     changed: int | None = None  # a delta: changed elements sent as patches (not dense ones)
     senders: int = 1  # trainer ranks that sent this push's buckets
     senders_reason: str | None = None  # why one, where every rank was asked to send
+    route: str = "broadcast"  # how the buckets reached the replicas (Transport.route)
     own_rows: bool = False  # every rank sent its own FSDP2 rows, no gather (own_rows.py)
     own_rows_reason: str | None = None  # why they were gathered, where several ranks sent
     check: str = "crc32"  # each bucket's integrity check (bucket_check.py)

@@ -326,7 +326,9 @@ class WeightPusher(PushSends):
             prepared = two_phase.prepare(begun.push_ids, checksums, timeout_s,
                                          self._serving.versions, tags)
             committed, outcomes = two_phase.commit(begun.push_ids, timeout_s)
-        return PushResult.committed(begun.buckets, prepared, committed, outcomes, restarted)
+        result = PushResult.committed(begun.buckets, prepared, committed, outcomes, restarted)
+        result.route = self.transport.route
+        return result
 
     def close(self) -> None:
         """Release the data-plane connection on every replica (a few seconds at

@@ -182,11 +182,11 @@ def receive_broadcast_bucket(group: DataPlaneGroup, buf: Any) -> None:
     group.broadcast(buf).wait()
 
 
-def relay_buckets(group: DataPlaneGroup, buckets: Sequence[tuple[Any, int]], rank: int,
-                  world_size: int, window: int = 1,
-                  on_piece: Callable[[int, Any], None] | None = None) -> None:
-    """A receiver in a chain: fill each `(buffer, source rank)` in order, piece
-    by piece, passing each piece on to the next rank as it lands; blocks until
+def relay_buckets(group: DataPlaneGroup, buckets: Sequence[tuple[Any, int, int | None]],
+                  window: int = 1, on_piece: Callable[[int, Any], None] | None = None) -> None:
+    """A receiver in a chain: fill each `(buffer, source rank, next rank)`
+    in order, piece by piece, passing each piece on to its next rank (None:
+    this rank is the bucket's last: ring_route.py) as it lands; blocks until
     every bucket is here and forwarded. Up to `window` buckets' pieces are
     posted at once: with several senders (each bucket from the one its
     manifest names) they all transmit side by side instead of taking turns.
@@ -194,20 +194,20 @@ def relay_buckets(group: DataPlaneGroup, buckets: Sequence[tuple[Any, int]], ran
     rank, which posts in the same order, gets each piece where it belongs.
     `on_piece(k, piece)` sees bucket k's pieces in order, while later ones
     arrive."""
-    forward = rank + 1 < world_size
     posted: deque[list[tuple[Any, _Works]]] = deque()
-    forwarding: list[_Works] = []  # the previous bucket's sends on to rank + 1
+    forwarding: list[_Works] = []  # the previous bucket's sends on to its next rank
     following = 0  # the next bucket to post
     for k in range(len(buckets)):
         while following < len(buckets) and following < k + max(window, 1):
-            buf, source = buckets[following]
+            buf, source, _ = buckets[following]
             posted.append([(p, group.recv(p, source)) for p in _pieces(buf)])
             following += 1
+        to = buckets[k][2]
         sends = []
         for piece, arriving in posted.popleft():
             arriving.wait()
-            if forward:
-                sends.append(group.send(piece, rank + 1))
+            if to is not None:
+                sends.append(group.send(piece, to))
             if on_piece is not None:
                 on_piece(k, piece)
         for w in forwarding:  # long done: the next rank took it while this one arrived

@@ -27,6 +27,7 @@ from rollout_sidecar.protocol.schema.generate_api import (
 )
 from rollout_sidecar.protocol.schema.weights_api import (
     CAPABILITIES,
+    CHAIN_RING,
     CHECK_SUM64,
     CHUNKS_INTERLEAVED,
     SENDERS,
@@ -57,7 +58,8 @@ from rollout_sidecar.protocol.schema.weights_api import (
 )
 
 __all__ = [
-    "CAPABILITIES", "CHECK_SUM64", "CHUNKS_INTERLEAVED", "DRAFT", "DRAFT_PREFIX", "SENDERS",
+    "CAPABILITIES", "CHAIN_RING", "CHECK_SUM64", "CHUNKS_INTERLEAVED", "DRAFT",
+    "DRAFT_PREFIX", "SENDERS",
     "SENDERS_NCCL",
     "DraftOutcome", "DrafterStatus", "is_draft",
     "AbortRequest", "AdapterSpec", "BeginRequest", "BeginResponse", "BucketManifest",

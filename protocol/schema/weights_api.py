@@ -46,7 +46,9 @@ SENDERS_NCCL = "senders:nccl"
 # A split tensor's chunks in any order, anywhere in the manifest: each trainer
 # rank sends the rows of its own FSDP2 shards (trainer/gather/own_rows.py).
 CHUNKS_INTERLEAVED = "chunks:interleaved"
-CAPABILITIES = (SENDERS, CHECK_SUM64, SENDERS_NCCL, CHUNKS_INTERLEAVED)
+# gloo: each bucket enters the chain at a replica of its own (`ConnectRequest.ring_starts`).
+CHAIN_RING = "chain:ring"
+CAPABILITIES = (SENDERS, CHECK_SUM64, SENDERS_NCCL, CHUNKS_INTERLEAVED, CHAIN_RING)
 Mac = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # bucket_mac.py's tag
 _HEX_SECRET = re.compile(r"(?:[0-9a-fA-F]{2})+")
 
@@ -199,6 +201,14 @@ class ConnectRequest(StrictModel):
         "broadcast", description="How each bucket reaches every rank: one broadcast, or "
         "(gloo) a chain that relays it piece by piece from rank to rank, so rank 0 sends it "
         "once however many replicas listen.")
+    ring_starts: list[Int] | None = Field(
+        None, max_length=65536, json_schema_extra=not_null,
+        description="gloo chains with several replicas: the ranks where buckets enter the "
+        "chain, each replica's first (increasing). Bucket k enters at ring_starts[k % n] "
+        "and goes round every receiver, rank `senders` .. world_size - 1 and back, so each "
+        "replica's link relays (n - 1) / n of the push instead of the first one relaying all "
+        "of it (protocol/data_plane/ring_route.py). Absent: every bucket enters at rank "
+        "`senders`. Needs the capability `chain:ring`.")
     secret: SecretStr | None = Field(
         None, min_length=32, max_length=128, json_schema_extra=_hex_secret_schema,
         description="This connection's data-plane key, hex (the trainer draws 32 random bytes "
@@ -418,7 +428,8 @@ class WeightStatus(ReplyModel):
         "for a trainer to ask before it uses it: `senders` (buckets from several trainer "
         "ranks, `ConnectRequest.senders`), `senders:nccl` (the same over NCCL), "
         "`check:sum64` (`BeginRequest.check`), `chunks:interleaved` (a split tensor's chunks "
-        "in any order: `TensorSlot`), `draft` (a drafter that takes pushes).")
+        "in any order: `TensorSlot`), `chain:ring` (`ConnectRequest.ring_starts`), `draft` "
+        "(a drafter that takes pushes).")
     push_timeout_s: float = Field(description="The deadline of one push, begin to commit.")
     commit_drain_s: float = Field(description="Longest wait for in-flight requests at a commit.")
     broken: str | None = Field(None, description="Set after a load failed mid-commit: "

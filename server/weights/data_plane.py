@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from rollout_sidecar.protocol.data_plane.ring_route import check_starts
 from rollout_sidecar.protocol.schema import (
     BucketManifest,
     ConnectRequest,
@@ -142,6 +143,13 @@ class DataPlane:
             raise BadRequest(f"senders {req.senders}: several trainer ranks send point to point, "
                              "down a chain (fanout chain); a broadcast would carry every "
                              "bucket to every sender too", "senders")
+        if req.ring_starts is not None:
+            why = f"{req.backend} relays one chain (fused steps)" \
+                if transport(req.backend).on_device else \
+                "fanout broadcast has no chain" if req.fanout != "chain" else \
+                check_starts(req.ring_starts, req.senders, req.world_size)
+            if why is not None:
+                raise BadRequest(f"ring_starts: {why}", "ring_starts")
         if req.rank_offset < req.senders:
             raise BadRequest(f"rank_offset {req.rank_offset}: ranks 0 .. {req.senders - 1} are "
                              "the trainer's senders", "rank_offset")
@@ -168,6 +176,7 @@ class DataPlane:
             op_timeout_s=req.op_timeout_s,
             world_size=req.world_size, rank_offset=req.rank_offset, senders=req.senders,
             staging=self.settings.weight_staging, fanout=req.fanout,
+            ring_starts=req.ring_starts,
             # Hex, to the workers only (StagedInitInfo keeps it out of its repr);
             # nothing logs this payload.
             secret=req.secret.get_secret_value() if req.secret is not None else None,

@@ -111,7 +111,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
                 res = pusher.push(model, version=args.version)
             report.update(error=None, timings=res.timings, nbytes=res.nbytes,
                           senders=res.senders, senders_reason=res.senders_reason,
-                          check=res.check)
+                          check=res.check, route=res.route, own_rows=res.own_rows)
         except WeightPushError as e:
             report["error"] = str(e)
             if "at" in killed:

@@ -65,6 +65,8 @@ def test_push_serves_the_stepped_weights(server, tmp_path, mode):
     assert report["senders"] == (1 if mode == "http" else 2), report
     assert (report["senders_reason"] is None) == (mode != "http"), report
     assert report["check"] == "crc32"
+    assert report["route"] == ("http" if mode == "http" else "chain"), report  # one replica
+    assert report["own_rows"] == (mode == "split"), report  # FSDP2 sends its rows
     if mode == "split":  # a 0.1 MiB bucket: the embedding and lm_head went in chunks
         assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(report["split"]), report
         assert report["max_bucket_bytes"] <= int(0.1 * 2**20)

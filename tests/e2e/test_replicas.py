@@ -127,6 +127,9 @@ def test_a_push_under_rollouts_reaches_both_replicas_identically(pair, tmp_path)
         served_by = {r.url: r.outstanding for r in client.replicas()}
         client.close()
     assert_pushed(report, v)  # replica A serves the trainer's stepped weights
+    # Both FSDP2 ranks sent their own rows; each bucket entered at one replica
+    # and went round to the other (ring_route.py).
+    assert report["own_rows"] and report["route"] == "ring", report
     a, b = report["replicas"]
     assert a["weight_version"] == b["weight_version"] == v + 1
     # Same seeded request, same weights: the same tokens and bit-identical

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -119,7 +120,8 @@ class WeightAdminClient:
                 store: tuple[str, int] | None = None,
                 fanout: str = "broadcast", secret: bytes | None = None,
                 bucket_macs: bool = True, op_timeout_s: float | None = None,
-                senders: int = 1) -> ConnectResponse:
+                senders: int = 1, ring_starts: Sequence[int] | None = None
+                ) -> ConnectResponse:
         """While another connection's lease runs (a trainer that just restarted
         finds its old self there), wait as the server's Retry-After says, up to
         `lease_wait_s`; a trainer that is really pushing keeps renewing it, and
@@ -131,6 +133,8 @@ class WeightAdminClient:
             body["op_timeout_s"] = op_timeout_s
         if senders > 1:  # a server that predates it refuses the field (and says so first)
             body["senders"] = senders
+        if ring_starts is not None:  # (asked only of a server with `chain:ring`)
+            body["ring_starts"] = list(ring_starts)
         if store is not None:
             body.update(store_host=store[0], store_port=store[1])
         if secret is not None:  # in the body only: never in a log line or an error

@@ -20,6 +20,9 @@ class Pending(Protocol):
 
 class Transport(Protocol):
     name: str  # what `/weights/begin` is told: "gloo", "nccl" or "http"
+    # How each bucket reaches every replica: "http", "broadcast", "chain" or
+    # "ring" (a chain entered at each replica in turn: ring_route.py).
+    route: str
     buffer_device: torch.device  # where the send buffers live
     # True: each bucket's CRC goes with its bytes, so it is computed before the
     # send; False: the CRCs go with the prepare, computed while the bucket is

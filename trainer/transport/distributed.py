@@ -37,11 +37,13 @@ from rollout_sidecar.protocol.data_plane.bucket_group import (
     send_bucket,
 )
 from rollout_sidecar.protocol.data_plane.bucket_mac import PushMacs, new_secret
+from rollout_sidecar.protocol.data_plane.ring_route import entry
 from rollout_sidecar.protocol.data_plane.signed_store import (
     TAMPERED,
     abort_connection,
     delete_connection_keys,
 )
+from rollout_sidecar.protocol.schema import CHAIN_RING
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
@@ -96,6 +98,7 @@ class DistributedTransport:
         self.fanout_setting = fanout
         self.fanout = "broadcast"  # this connection's; decided at connect
         self.senders = 1  # this connection's trainer ranks that send
+        self.ring_starts: tuple[int, ...] | None = None  # this connection's (ring_route.py)
         self.group: Any = None
         self.connection_id: str | None = None
         self._secret: bytes | None = None  # this connection's; never logged
@@ -160,6 +163,11 @@ class DistributedTransport:
         fanout = "chain" if senders > 1 else (
             self.fanout_setting if self.fanout_setting != "auto" else
             transport(self.backend).fanout(world))
+        # A ring (gloo, several replicas, fanout auto): each bucket enters at
+        # a replica of its own, so no one replica's link relays all of it.
+        ring = fanout == "chain" and self.fanout_setting == "auto" and len(statuses) > 1 \
+            and not transport(self.backend).on_device \
+            and all(CHAIN_RING in s.capabilities for s in statuses)
         d = self.replicas.deadlines
         return Rendezvous(
             connection_id=uuid.uuid4().hex[:12], backend=self.backend,
@@ -167,6 +175,7 @@ class DistributedTransport:
             store_host=self.data_plane_host or urlparse(self.replicas.urls[0]).hostname
             or "127.0.0.1", store_port=statuses[0].data_plane_port, world_size=world,
             senders=senders, rank_offsets=tuple(offsets), fanout=fanout, join_s=d.join_s,
+            ring_starts=tuple(offsets) if ring else None,
             op_s=d.group_timeout_s,
             authenticate_buckets=self.authenticate_buckets,
             # Per connection, over the admin-authenticated control plane only:
@@ -181,7 +190,7 @@ class DistributedTransport:
         r = rendezvous
         conn_id = self.connection_id = r.connection_id
         secret = self._secret = r.secret
-        self.fanout, self.senders = r.fanout, r.senders
+        self.fanout, self.senders, self.ring_starts = r.fanout, r.senders, r.ring_starts
         offsets = r.rank_offsets
         store_host, store_port = r.store_host, r.store_port
         out: dict[str, Any] = {}
@@ -210,7 +219,7 @@ class DistributedTransport:
                 op_timeout_s=r.op_s, trainer_id=self.trainer_id, world_size=r.world_size,
                 rank_offset=offsets[i], store=None if i == 0 else (store_host, store_port),
                 fanout=r.fanout, secret=secret, bucket_macs=self.authenticate_buckets,
-                senders=r.senders), "connect")
+                senders=r.senders, ring_starts=r.ring_starts), "connect")
         except WeightPushError as e:
             self._end_rendezvous(joining, out, store_host, store_port, conn_id, secret, e)
             join_error = out.get("join_error")
@@ -255,6 +264,10 @@ class DistributedTransport:
         if "group" in out:
             out.pop("group").close()
 
+    @property
+    def route(self) -> str:
+        return "ring" if self.ring_starts else self.fanout
+
     def start_push(self, version: int) -> None:
         """A push of `version` begins: rank 0 tags its buckets with the
         connection's secret (the sender adds them, the prepare carries them)."""
@@ -265,7 +278,8 @@ class DistributedTransport:
 
     def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
              ) -> Any:
-        return send_bucket(self.group, buf, self.fanout, first_receiver=self.senders)
+        return send_bucket(self.group, buf, self.fanout,
+                           first_receiver=entry(index, self.senders, self.ring_starts))
 
     def reset(self) -> None:
         """Drop our side of the group now (see `close_group`)."""

@@ -24,6 +24,7 @@ class _Done:
 @sender("http")
 class HttpUploadTransport:
     name = "http"
+    route = "http"
     buffer_device = torch.device("cpu")
     checksum_in_request = True  # sent as the X-Checksum header of each bucket
     connection_id = None

@@ -26,6 +26,7 @@ import torch
 
 from rollout_sidecar.protocol.data_plane.bucket_group import broadcast_group, send_bucket
 from rollout_sidecar.protocol.data_plane.bucket_mac import PushMacs
+from rollout_sidecar.protocol.data_plane.ring_route import entry
 from rollout_sidecar.protocol.transports import Fanout, transport
 
 
@@ -45,6 +46,8 @@ class Rendezvous:
     op_s: float  # each operation once formed: the stall bound
     authenticate_buckets: bool
     secret: bytes = dataclasses.field(repr=False)
+    # gloo, several replicas: where each bucket enters the chain (ring_route.py).
+    ring_starts: tuple[int, ...] | None = None
 
 
 class PeerSender:
@@ -86,8 +89,9 @@ class PeerSender:
     def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
              ) -> Any:
         assert self.rendezvous is not None and self.group is not None, "not connected"
-        return send_bucket(self.group, buf, self.rendezvous.fanout,
-                           first_receiver=self.rendezvous.senders)
+        r = self.rendezvous
+        return send_bucket(self.group, buf, r.fanout,
+                           first_receiver=entry(index, r.senders, r.ring_starts))
 
     def reset(self) -> None:
         """Drop this rank's side of the group now (bucket_group.close_group)."""

@@ -21,6 +21,7 @@ from rollout_sidecar.protocol.data_plane.bucket_check import crc32, sum64
 from rollout_sidecar.protocol.data_plane.bucket_group import relay_buckets
 from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac
 from rollout_sidecar.protocol.data_plane.chain_steps import relay_steps
+from rollout_sidecar.protocol.data_plane.ring_route import route
 from rollout_sidecar.protocol.schema import Check
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.weights.worker.staging import StagedBucket
@@ -85,15 +86,18 @@ def receive_broadcast(group: Any, buckets: list[StagedBucket], backend: str,
 
 def receive_chain(group: Any, buckets: list[StagedBucket], rank: int, world_size: int,
                   key: bytes | None, senders: int = 1, check: Check = "crc32",
-                  backend: str = "gloo", device: torch.device | None = None) -> None:
+                  backend: str = "gloo", device: torch.device | None = None,
+                  ring_starts: list[int] | None = None) -> None:
     """Each bucket from its sender (the first receiver, rank `senders`) or
     the previous rank, forwarded to the next; a CRC-32 runs over each piece
     while the next one arrives. With several senders a bucket from each is on
     the way at once: gloo's `relay_buckets`, NCCL's fused steps
     (`relay_steps`; host staging lands through device slots, and a device
-    piece is CRC'd through a host copy: a GPU trainer speaks `sum64`)."""
-    first = rank == senders
-    sources = [(b.buffer, b.source if first else rank - 1) for b in buckets]
+    piece is CRC'd through a host copy: a GPU trainer speaks `sum64`). With
+    `ring_starts` (gloo), bucket k enters at a replica of its own and goes
+    round (protocol/data_plane/ring_route.py)."""
+    routes = [(b.buffer, *route(k, rank, b.source, senders, world_size, ring_starts))
+              for k, b in enumerate(buckets)]
     crcs = [0] * len(buckets)
     macs = [BucketMac(key) if key is not None else None for _ in buckets]
 
@@ -111,7 +115,7 @@ def receive_chain(group: Any, buckets: list[StagedBucket], rank: int, world_size
         relay_steps(group, [(b.buffer, b.source) for b in buckets], rank, world_size,
                     first_receiver=senders, on_piece=add)
     else:
-        relay_buckets(group, sources, rank, world_size, window=senders, on_piece=add)
+        relay_buckets(group, routes, window=senders, on_piece=add)
     for k, b in enumerate(buckets):
         b.checksum = crcs[k] if check == "crc32" else sum64(b.buffer)
         b.mac = macs[k]

@@ -63,7 +63,7 @@ class GroupReceive:
             i = j.info
             if i.fanout == "chain":
                 receive_chain(rx.group, buckets, j.rank, i.world_size, i.mac_key, i.senders,
-                              check, c.backend, self.device)
+                              check, c.backend, self.device, i.ring_starts)
             else:
                 receive_broadcast(rx.group, buckets, c.backend, self.device, i.mac_key, check)
 
