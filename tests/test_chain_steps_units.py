@@ -6,19 +6,17 @@ need a GPU (tests/gpu/test_data_plane_gpu.py)."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rollout_sidecar.protocol.data_plane.bucket_group import (
     CHAIN_CHUNK_BYTES,
-    broadcast_group,
     send_bucket,
 )
 from rollout_sidecar.protocol.data_plane.chain_steps import chain_steps, relay_steps
+from tests.gloo_threads import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,39 +58,24 @@ def test_two_senders_reach_every_relay_bit_for_bit(slots: bool) -> None:
     buckets = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
     senders, receivers = 2, 3
     world = senders + receivers
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     got: dict[int, list[torch.Tensor]] = {}
     seen: dict[int, list[tuple[int, int]]] = {}
-    errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
-        try:
-            group = broadcast_group("127.0.0.1", store.port, f"steps-{slots}", rank, world,
-                                    "gloo", 30)
-            try:
-                if rank < senders:
-                    works = [send_bucket(group, b, "chain", first_receiver=senders)
-                             for b, s in zip(buckets, sources, strict=True) if s == rank]
-                    for w in works:
-                        w.wait()
-                    return
-                mine = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
-                seen[rank] = []
-                relay_steps(_WithSlots(group) if slots else group,
-                            list(zip(mine, sources, strict=True)), rank, world, senders,
-                            on_piece=lambda k, p: seen[rank].append((k, p.numel())))
-                got[rank] = mine
-            finally:
-                group.close()
-        except BaseException as e:
-            errors.append(e)
+    def body(rank: int, group: Any) -> None:
+        if rank < senders:
+            works = [send_bucket(group, b, "chain", first_receiver=senders)
+                     for b, s in zip(buckets, sources, strict=True) if s == rank]
+            for w in works:
+                w.wait()
+            return
+        mine = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        seen[rank] = []
+        relay_steps(_WithSlots(group) if slots else group,
+                    list(zip(mine, sources, strict=True)), rank, world, senders,
+                    on_piece=lambda k, p: seen[rank].append((k, p.numel())))
+        got[rank] = mine
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors, errors
+    run_ranks(world, f"steps-{slots}", body)
     assert sorted(got) == [2, 3, 4]
     for rank, mine in got.items():
         for k, (b, m) in enumerate(zip(buckets, mine, strict=True)):

@@ -7,19 +7,14 @@ relaying all of it."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from rollout_sidecar.protocol.data_plane.bucket_group import (
-    broadcast_group,
-    relay_buckets,
-    send_bucket,
-)
+from rollout_sidecar.protocol.data_plane.bucket_group import relay_buckets, send_bucket
 from rollout_sidecar.protocol.data_plane.ring_route import check_starts, entry, route
+from tests.gloo_threads import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,40 +77,24 @@ def test_a_ring_reaches_every_receiver_bit_for_bit_and_splits_the_relaying() -> 
     senders, world, starts = 2, 5, [2, 4]  # replica A: ranks 2, 3; replica B: rank 4
     g = torch.Generator().manual_seed(0)
     buckets = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     got: dict[int, list[torch.Tensor]] = {}
     sent: dict[int, list[int]] = {r: [] for r in range(world)}
-    errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
-        try:
-            group = broadcast_group("127.0.0.1", store.port, "ring", rank, world, "gloo", 30)
-            try:
-                if rank < senders:
-                    works = [send_bucket(group, b, "chain",
-                                         first_receiver=entry(k, senders, starts))
-                             for k, (b, s) in enumerate(zip(buckets, sources, strict=True))
-                             if s == rank]
-                    for w in works:
-                        w.wait()
-                    return
-                mine = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
-                relay_buckets(_Counting(group, sent[rank]),
-                              [(m, *route(k, rank, s, senders, world, starts))
-                               for k, (m, s) in enumerate(zip(mine, sources, strict=True))],
-                              window=senders)
-                got[rank] = mine
-            finally:
-                group.close()
-        except BaseException as e:
-            errors.append(e)
+    def body(rank: int, group: Any) -> None:
+        if rank < senders:
+            works = [send_bucket(group, b, "chain", first_receiver=entry(k, senders, starts))
+                     for k, (b, s) in enumerate(zip(buckets, sources, strict=True)) if s == rank]
+            for w in works:
+                w.wait()
+            return
+        mine = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        relay_buckets(_Counting(group, sent[rank]),
+                      [(m, *route(k, rank, s, senders, world, starts))
+                       for k, (m, s) in enumerate(zip(mine, sources, strict=True))],
+                      window=senders)
+        got[rank] = mine
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors, errors
+    run_ranks(world, "ring", body)
     assert sorted(got) == [2, 3, 4]
     for rank, mine in got.items():
         for k, (b, m) in enumerate(zip(buckets, mine, strict=True)):
