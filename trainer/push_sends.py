@@ -158,8 +158,8 @@ class PushSends:
         first error (`gather_sent`). Only a dense push of the model's own
         tensors comes here (push_layout.senders_of): no conversion to run."""
         # Every rank holds the persistent buffers whole (neither FSDP shards
-        # them), and gathers every parameter whole: no row blocks, which reach
-        # rank 0 alone.
+        # them), and, without own rows, gathers every parameter whole: no row
+        # blocks, which reach rank 0 alone.
         buffers = plan.opening.buffers if plan.sends_buffers else ()
         sender: Transport | PeerSender = self.transport if self.rank == 0 else self._peer
         assert sender is not None
