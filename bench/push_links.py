@@ -6,8 +6,8 @@ network, where each node's NIC is the limit. The trainer is FSDP2 over gloo
 across those nodes, so its gathers cross the same capped links as between
 real nodes. For 2 and 4 ranks, 1 and 2 replicas, three ways to send:
 "one" (`senders="one"`: rank 0 sends every bucket, gathered to it), "all"
-(`own_rows=False`: every rank gathers every tensor whole and sends its share
-of the buckets) and "own" (the default: every rank sends its own FSDP2 rows,
+(the default: every rank gathers every tensor whole and sends its share of
+the buckets) and "own" (`own_rows=True`: every rank sends its own FSDP2 rows,
 nothing gathered), it measures a dense push (`delta=False`): its time, and
 the bytes that leave each trainer node, split into the wrapper's gathers
 (the same gathers drained alone, just before) and the push's own, and the

@@ -130,16 +130,20 @@ class PushConfig:
     (about 3 copies for a moment) plus two buckets. "one" keeps row blocks'
     bound."""
 
-    own_rows: bool = True
+    own_rows: bool = False
     """With every rank sending an FSDP2 model, each rank sends the rows of its
     own shards as they are, and nothing is gathered (gather/own_rows.py): each
     trainer link carries model / N bytes, against about model bytes with the
-    gathers, and no rank holds a full parameter. It goes where every
-    parameter is a dim-0 shard over the whole trainer group (FSDP2's default)
-    or held whole, and every replica has `chunks:interleaved`; otherwise, or
-    False, every rank gathers, and `PushResult.own_rows_reason` says why. The
-    cost is the server's: its load copies each sharded tensor whole, so the
-    load's extra host peak is about the model's bytes (server staging.py)."""
+    gathers, and no rank holds a full parameter (2-3x faster pushes between
+    nodes: docs/benchmarks.md). It goes where every parameter is a dim-0
+    shard over the whole trainer group (FSDP2's default) or held whole, and
+    every replica takes `chunks:interleaved`; otherwise every rank gathers,
+    and `PushResult.own_rows_reason` says why. Off by default because the
+    cost is the server's: its load copies each tensor whole, one extra copy
+    of the model in host memory for the length of the load (server
+    staging.py), which a server sized for its staged copy may not have; a
+    server offers it only with one worker and host staging (with TP > 1
+    every worker would copy the model)."""
 
     authenticate_buckets: bool = False
     """gloo/NCCL: tag every bucket with a keyed BLAKE2b under the connection's

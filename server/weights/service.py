@@ -22,6 +22,7 @@ from typing import Any
 from rollout_sidecar.protocol.data_plane.bucket_check import crc32_of_bytes
 from rollout_sidecar.protocol.schema import (
     CAPABILITIES,
+    CHUNKS_INTERLEAVED,
     DRAFT,
     BeginRequest,
     BeginResponse,
@@ -112,6 +113,8 @@ class WeightService:
                                                                      hosts, s)
         for warning in layout.warnings:
             log.warning("staging: %s", warning)
+        if (why := self.interleaved_chunks_refused()) is not None:
+            log.info("pushes of own rows (chunks:interleaved) not taken: %s", why)
         log.info("staging: %s (a staged copy: %.1f MiB)", layout.describe(), staged / 2**20)
         if layout.shared:
             self.shared_root = StagingRoot(self.boot_id)
@@ -153,7 +156,24 @@ class WeightService:
 
     def capabilities(self) -> list[str]:
         """What this server takes beyond the first protocol (weights_api.py)."""
-        return [*CAPABILITIES, *([DRAFT] if self.engine.index.draft else [])]
+        caps = [*CAPABILITIES, *([DRAFT] if self.engine.index.draft else [])]
+        if self.interleaved_chunks_refused() is not None:
+            caps.remove(CHUNKS_INTERLEAVED)
+        return caps
+
+    def interleaved_chunks_refused(self) -> str | None:
+        """Why this server does not take a push of own rows (None: it does).
+        Every tensor of one arrives split, and each worker reassembles the
+        whole model at a load (staging.py): one extra copy of the model in
+        host memory with one worker, but one per worker with TP > 1 (a
+        shared copy too: each worker reads every tensor whole), and in GPU
+        memory with device staging."""
+        workers = sum(len(g.ranks) for g in self.layout.groups) if self.layout else 0
+        if workers != 1:
+            return f"{workers} workers would each copy the whole model at a load"
+        if self.settings.weight_staging == "device":
+            return "device staging would copy the whole model in GPU memory at a load"
+        return None
 
     def index(self) -> WeightIndex:
         idx, serve = self.engine.index, self.engine.info.dtype

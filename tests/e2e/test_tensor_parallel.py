@@ -164,6 +164,9 @@ def push_and_check(tp2, pusher, model, seed: int) -> tuple[float, float]:
 def test_push_into_a_tp2_server_serves_the_pushed_weights(tp2, pusher, model):
     # Shared: the leader alone receives; per worker: both TP workers do.
     assert status(tp2)["data_plane_ranks"] == (1 if tp2.shared else 2)
+    # Each TP worker would copy the whole model at the load of a push of own
+    # rows (trainer/gather/own_rows.py): a TP 2 server does not take one.
+    assert "chunks:interleaved" not in status(tp2)["capabilities"]
     gap, moved = push_and_check(tp2, pusher, model, seed=0)
     staged = status(tp2)["staged_bytes"]
     print(f"TP2 {layout(tp2)}: served vs trained fp32 mean "

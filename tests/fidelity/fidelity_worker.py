@@ -179,7 +179,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     serve_dtype = getattr(torch, info["dtype"])
     g = torch.Generator().manual_seed(5)
     scored = torch.randint(0, info["vocab_size"], (SCORED_SEQS, SCORED_LEN), generator=g).tolist()
-    pusher = WeightPusher(args.url, bucket_mb=1)
+    pusher = WeightPusher(args.url, bucket_mb=1, own_rows=True)  # FSDP2: no gather
     report: dict = {"runs": []}
 
     version = info["weight_version"]

@@ -74,11 +74,11 @@ class ServingState:
         return {n: torch_dtype(t.dtype) for n, t in self.index.tensors.items()}
 
     def lacks(self, capability: str) -> str | None:
-        """Which replica predates `capability` (`WeightStatus.capabilities`),
-        said for a `PushResult` reason; None when every one has it."""
+        """Which replica does not offer `capability` (`WeightStatus.capabilities`),
+        said for a `PushResult` reason; None when every one does."""
         old = [i for i, st in enumerate(self.statuses) if capability not in st.capabilities]
-        return f"replica {old[0]} predates '{capability}' (not in its capabilities)" \
-            if old else None
+        return f"replica {old[0]} does not offer '{capability}' (an older server, or one " \
+            "whose layout does not take it: its log says why)" if old else None
 
     @property
     def versions(self) -> list[int]:
