@@ -29,8 +29,8 @@ def _pieces(world: int) -> list[list[Piece]]:
     c = -(-301 // world)
     for r in range(world):
         if r * c < 301:
-            out[r].append(Piece("w", (301, 24), torch.float32, r, r * c, min(301, (r + 1) * c)))
-    out[0].append(Piece("b", (24,), torch.float32, 0, 0, 24, whole=True))
+            out[r].append(Piece("w", (301, 24), torch.float32, r * c, min(301, (r + 1) * c)))
+    out[0].append(Piece("b", (24,), torch.float32, 0, 24))
     return out
 
 

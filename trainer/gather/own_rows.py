@@ -44,16 +44,14 @@ from rollout_sidecar.trainer.gather.row_blocks import FlatCursor
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [first, end) of tensor `name`, held by trainer rank `rank`
-    (`whole`: every rank holds all of it, and `rank` sends it)."""
+    """Rows [first, end) of tensor `name`, in the list of the rank that
+    sends them (`rank_pieces`)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    rank: int
     first: int
     end: int
-    whole: bool = False
 
     @property
     def covers_tensor(self) -> bool:
@@ -115,7 +113,7 @@ def rank_pieces(model: nn.Module, world: int, buffers: Sequence[str] = ()
     def whole(name: str, t: torch.Tensor) -> None:
         r = min(range(world), key=lambda r: (load[r], r))
         rows = t.shape[0] if t.dim() else 1
-        out[r].append(Piece(name, tuple(t.shape), t.dtype, r, 0, rows, whole=True))
+        out[r].append(Piece(name, tuple(t.shape), t.dtype, 0, rows))
         load[r] += t.numel() * t.element_size()
 
     for name, p in model.named_parameters():
@@ -127,7 +125,7 @@ def rank_pieces(model: nn.Module, world: int, buffers: Sequence[str] = ()
         row_bytes = math.prod(p.shape[1:]) * p.element_size()
         for r, (first, end) in zip(ranks, _rows(p.shape[0], len(ranks)), strict=True):
             if end > first:
-                out[r].append(Piece(name, tuple(p.shape), p.dtype, r, first, end))
+                out[r].append(Piece(name, tuple(p.shape), p.dtype, first, end))
                 load[r] += (end - first) * row_bytes
     bufs = persistent_buffers(model) if buffers else {}
     for name in buffers:
