@@ -23,8 +23,10 @@ from tests.server_plan import (
     ServerPlan,
     ServerSpec,
     cache_dir,
+    patched,
     plan_from,
     serves,
+    surface,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +126,28 @@ def pytest_collection_finish(session):
 
         if docker_answers():
             BUILD.start()
+
+
+# What the session's plan reads, as it was when the session began: a test
+# that patches any of it (the class, the module, psutil's calls) could make
+# the plan's monitor launch the next real server through its fake, so the
+# test that does fails, by name, before its teardown undoes the patch.
+PLAN_SURFACE = surface()
+
+
+def fail_if_plan_patched(item: pytest.Item, phase: str) -> None:
+    names = patched(PLAN_SURFACE, surface())
+    if names:
+        pytest.fail(f"{item.nodeid} patched what the session's server plan reads during its "
+                    f"{phase}: {', '.join(names)}; build a ServerPlan of your own with a fake "
+                    "Machine (tests/test_server_plan_units.py)", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    fail_if_plan_patched(item, "call")
+    return result
 
 
 @pytest.hookimpl(tryfirst=True)

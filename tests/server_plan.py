@@ -25,12 +25,20 @@ A test marked `quiet` (it asserts about wall-clock time: a deadline, a
 liveness miss, a drain) runs with nothing starting beside it: before it
 starts, the plan waits for every start in flight; while it runs, none begins.
 A server that fails to start fails the test that takes it, as it would have
-without the plan; one that no test took is stopped at the end of the session.
+without the plan; at the end of the session every server the plan launched
+that still runs is stopped, whatever a test did with it.
+
+What the plan does to the machine (launch, stop) and reads of it (CPU
+times, memory, its period) is one `Machine`, bound when the plan is built.
+Unit tests build a plan of their own with a fake `Machine`; nothing they
+patch reaches the session's plan, and `surface()` lets the session check
+that no test patched what the plan reads (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -124,17 +132,80 @@ def plan_from(items: Iterable[pytest.Item]) -> list[ServerSpec]:
     return order
 
 
+def memory_to_spare(starting: int = 0, available: float | None = None) -> bool:
+    """Room for one more start beside what runs now and the `starting` ones
+    (a ready CPU server of the default model holds about 1.7 GiB PSS with
+    TEST_ENV's KV cache, measured; a TP-2 one has a worker more; tests start
+    trainers and servers of their own); `available` bytes, else the machine's."""
+    need = MIN_AVAILABLE_GIB + START_GIB * starting
+    if available is None:
+        available = psutil.virtual_memory().available
+    return available >= need * 2**30
+
+
+def busy_share(before: Any, now: Any) -> float:
+    """The machine's busy share of CPU time between two `psutil.cpu_times()`."""
+    total = sum(now) - sum(before)
+    idle = (now.idle - before.idle) + (getattr(now, "iowait", 0) - getattr(before, "iowait", 0))
+    return 1 - idle / total if total > 0 else 1.0
+
+
+def cache_dir(tmp: Path) -> Path:
+    """Where test servers cache compiled and downloaded files."""
+    return Path(os.environ.get("ROLLOUT_SIDECAR_TEST_CACHE", tmp / "cache"))
+
+
+def launch_spec(folder: Path, spec: ServerSpec, **overrides: Any) -> ServerProcess:
+    """Start `spec`'s server in `folder` (not waiting for it); `overrides`
+    go to `launch_server` (ports, tokens: a restart; `log_name`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {"ROLLOUT_SIDECAR_CACHE_DIR": str(cache_dir(folder)), **TEST_ENV, **dict(spec.env)}
+    if spec.failpoints:
+        fault = folder / "fault"
+        fault.write_text("")
+        env["ROLLOUT_SIDECAR_FAILPOINTS"] = str(fault)
+    if spec.prepare is not None:
+        env.update(spec.prepare(folder))
+    model: str | Path | None = spec.model
+    if spec.family is not None:
+        from tests.fidelity.zoo import write_family
+
+        model = folder / spec.family
+        if not (model / "config.json").exists():
+            write_family(spec.family, model)
+    log_name = overrides.pop("log_name", spec.name)
+    return launch_server(log=folder / f"{log_name}.log", model=model, dtype=spec.dtype,
+                         max_model_len=spec.max_model_len, env=env, wait=False,
+                         shm_size=spec.shm_size, **overrides)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a plan does to the machine and reads of it. The defaults are
+    bound here, once: a test that patches this module or psutil later does
+    not change what the session's plan calls (unit tests pass fakes)."""
+
+    launch: Callable[..., Any] = launch_spec  # (folder, spec, **overrides) -> a start
+    stop: Callable[[Any], Any] = stop_process  # a start's process
+    spare: Callable[[int], bool] = memory_to_spare  # room for one more start?
+    cpu_times: Callable[[], Any] = psutil.cpu_times
+    monitor_s: float = MONITOR_S
+
+
 class ServerPlan:
     """Launches planned servers ahead; `take` hands one over, ready."""
 
     def __init__(self, order: list[ServerSpec], lookahead: int = LOOKAHEAD,
-                 max_ahead: int = MAX_AHEAD) -> None:
+                 max_ahead: int = MAX_AHEAD, machine: Machine | None = None) -> None:
+        self.machine = machine or Machine()
         self.todo = list(order)  # planned, not launched yet
         self.lookahead = lookahead
         self.max_ahead = max_ahead
         self.root: Path | None = None  # set by the `server_plan` fixture (pytest's tmp)
         self.launched: dict[ServerSpec, ServerProcess] = {}  # launched, not taken yet
         self.ready: set[ServerSpec] = set()  # launched ones the monitor saw ready
+        # Every start, taken or not: what the session's end stops if it still runs.
+        self.started: list[Any] = []
         self.quiet = False
         # The monitor launches too: one lock over todo, launched and ready.
         self.lock = threading.RLock()
@@ -163,7 +234,7 @@ class ServerPlan:
         """Launch the next ones until `LOOKAHEAD` wait untaken."""
         with self.lock:
             while (self.root is not None and not self.quiet and self.todo
-                   and len(self.launched) < self.lookahead and memory_to_spare()):
+                   and len(self.launched) < self.lookahead and self.machine.spare(0)):
                 self._launch_next("next")
 
     def fill_idle(self, busy: float) -> bool:
@@ -175,7 +246,7 @@ class ServerPlan:
             if (self.root is None or self.quiet or not self.todo or busy >= IDLE_BUSY
                     or len(starting) >= self.lookahead
                     or len(self.launched) >= self.max_ahead
-                    or not memory_to_spare(len(starting))):
+                    or not self.machine.spare(len(starting))):
                 return False
             self._launch_next(f"idle cores, {busy:.0%} busy")
             return True
@@ -192,11 +263,11 @@ class ServerPlan:
         self.monitor.start()
 
     def _monitor(self) -> None:
-        """Every MONITOR_S: note which starts are ready, then fill idle cores.
+        """Every `monitor_s`: note which starts are ready, then fill idle cores.
         Waits on an Event, not `time.sleep`, which unit tests replace."""
-        before = psutil.cpu_times()
-        while not self.stopping.wait(MONITOR_S):
-            now = psutil.cpu_times()
+        before = self.machine.cpu_times()
+        while not self.stopping.wait(self.machine.monitor_s):
+            now = self.machine.cpu_times()
             busy, before = busy_share(before, now), now
             with self.lock:
                 pending = [(s, p) for s, p in self.launched.items() if s not in self.ready]
@@ -226,59 +297,46 @@ class ServerPlan:
                     pass
 
     def close(self) -> None:
+        """Stop the monitor, then every start that still runs: untaken ones,
+        and taken ones whose test did not stop them (a fixture that failed
+        half way, a bookkeeping slip): no server outlives the session."""
         self.stopping.set()
         if self.monitor is not None:
             self.monitor.join(30)
         with self.lock:
             self.todo.clear()
-            for proc in self.launched.values():
-                stop_process(proc.proc)
             self.launched.clear()
+            started, self.started = self.started, []
+        for proc in started:
+            if proc.proc.poll() is None:
+                self.machine.stop(proc.proc)
 
     def folder(self, spec: ServerSpec) -> Path:
         assert self.root is not None, "take servers through the server_plan fixture"
         return self.root / spec.name
 
-    def _launch(self, spec: ServerSpec, **overrides: Any) -> ServerProcess:
-        folder = self.folder(spec)
-        folder.mkdir(parents=True, exist_ok=True)
-        env = {"ROLLOUT_SIDECAR_CACHE_DIR": str(cache_dir(folder)), **TEST_ENV,
-               **dict(spec.env)}
-        if spec.failpoints:
-            fault = folder / "fault"
-            fault.write_text("")
-            env["ROLLOUT_SIDECAR_FAILPOINTS"] = str(fault)
-        if spec.prepare is not None:
-            env.update(spec.prepare(folder))
-        model: str | Path | None = spec.model
-        if spec.family is not None:
-            from tests.fidelity.zoo import write_family
-
-            model = folder / spec.family
-            if not (model / "config.json").exists():
-                write_family(spec.family, model)
-        log_name = overrides.pop("log_name", spec.name)
-        return launch_server(log=folder / f"{log_name}.log", model=model, dtype=spec.dtype,
-                             max_model_len=spec.max_model_len, env=env, wait=False,
-                             shm_size=spec.shm_size, **overrides)
+    def _launch(self, spec: ServerSpec, **overrides: Any) -> Any:
+        proc = self.machine.launch(self.folder(spec), spec, **overrides)
+        with self.lock:
+            self.started.append(proc)
+        return proc
 
 
-def memory_to_spare(starting: int = 0) -> bool:
-    """Room for one more start beside what runs now and the `starting` ones
-    (a ready CPU server of the default model holds about 1.7 GiB PSS with
-    TEST_ENV's KV cache, measured; a TP-2 one has a worker more; tests start
-    trainers and servers of their own)."""
-    need = MIN_AVAILABLE_GIB + START_GIB * starting
-    return psutil.virtual_memory().available >= need * 2**30
+def surface() -> dict[str, int]:
+    """The identity of everything the session's plan reads at run time: this
+    module's names, `ServerPlan`'s and `Machine`'s attributes, and the psutil
+    calls behind the defaults. Two readings differ only if something patched
+    one of them in between (tests/conftest.py compares them around each test)."""
+    module = sys.modules[__name__]
+    names = {f"tests.server_plan.{k}": id(v) for k, v in vars(module).items()
+             if not k.startswith("__")}
+    for cls in (ServerPlan, Machine):
+        names.update({f"{cls.__name__}.{k}": id(v) for k, v in vars(cls).items()
+                      if not k.startswith("__")})
+    names.update({f"psutil.{k}": id(getattr(psutil, k)) for k in ("cpu_times", "virtual_memory")})
+    return names
 
 
-def busy_share(before: Any, now: Any) -> float:
-    """The machine's busy share of CPU time between two `psutil.cpu_times()`."""
-    total = sum(now) - sum(before)
-    idle = (now.idle - before.idle) + (getattr(now, "iowait", 0) - getattr(before, "iowait", 0))
-    return 1 - idle / total if total > 0 else 1.0
-
-
-def cache_dir(tmp: Path) -> Path:
-    """Where test servers cache compiled and downloaded files."""
-    return Path(os.environ.get("ROLLOUT_SIDECAR_TEST_CACHE", tmp / "cache"))
+def patched(before: Mapping[str, int], after: Mapping[str, int]) -> list[str]:
+    """The names whose value changed between two `surface()` readings."""
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))

@@ -1,7 +1,12 @@
 """Units for tests/server_plan.py's look-ahead, with fake starts (no engine):
 the next `LOOKAHEAD` servers always start; more start only while the cores
 idle, up to `MAX_AHEAD` waiting, never during a `quiet` test, never past the
-memory guard; the monitor sees starts become ready and fills idle by itself."""
+memory guard; the monitor sees starts become ready and fills idle by itself;
+the session's end stops every start that still runs.
+
+Each test builds a plan of its own with a fake `Machine`: nothing here
+patches the class, the module or psutil, which the session's own plan (and
+its monitor thread, running beside these tests) reads."""
 
 from __future__ import annotations
 
@@ -13,7 +18,16 @@ from pathlib import Path
 import pytest
 
 from tests import server_plan
-from tests.server_plan import IDLE_BUSY, ServerPlan, ServerSpec, busy_share
+from tests.server_plan import (
+    IDLE_BUSY,
+    Machine,
+    ServerPlan,
+    ServerSpec,
+    busy_share,
+    memory_to_spare,
+    patched,
+    surface,
+)
 
 IDLE, BUSY = IDLE_BUSY - 0.2, IDLE_BUSY + 0.1
 
@@ -23,6 +37,7 @@ class FakeStart:
 
     def __init__(self) -> None:
         self.up = threading.Event()
+        self.stopped = False
         self.proc = self  # stop_process(proc.proc) and proc.proc.poll() get this
 
     def is_ready(self) -> bool:
@@ -32,22 +47,32 @@ class FakeStart:
         assert self.up.wait(timeout_s), "fake start never became ready"
 
     def poll(self) -> int | None:
-        return None
+        return 0 if self.stopped else None
 
 
-@pytest.fixture
-def plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def stop(proc: FakeStart) -> None:
+    proc.stopped = True
+
+
+def fake_plan(tmp_path: Path, **machine) -> tuple[ServerPlan, dict[str, FakeStart]]:
+    """A plan of 8 specs whose starts are `FakeStart`s (its own `Machine`:
+    memory always to spare unless `machine` says otherwise)."""
     starts: dict[str, FakeStart] = {}
 
-    def launch(self, spec: ServerSpec, **overrides) -> FakeStart:
+    def launch(folder: Path, spec: ServerSpec, **overrides) -> FakeStart:
         starts[spec.name] = FakeStart()
         return starts[spec.name]
 
-    monkeypatch.setattr(ServerPlan, "_launch", launch)
-    monkeypatch.setattr(server_plan, "stop_process", lambda proc: None)
-    monkeypatch.setattr(server_plan, "memory_to_spare", lambda starting=0: True)
-    p = ServerPlan([ServerSpec(f"s{i}") for i in range(8)], lookahead=2, max_ahead=4)
+    machine = {"launch": launch, "stop": stop, "spare": lambda starting: True, **machine}
+    p = ServerPlan([ServerSpec(f"s{i}") for i in range(8)], lookahead=2, max_ahead=4,
+                   machine=Machine(**machine))
     p.root = tmp_path
+    return p, starts
+
+
+@pytest.fixture
+def plan(tmp_path: Path):
+    p, starts = fake_plan(tmp_path)
     yield p, starts
     p.close()
 
@@ -85,27 +110,26 @@ def test_a_quiet_test_launches_nothing(plan):
     assert p.fill_idle(IDLE)
 
 
-def test_no_start_ahead_without_memory_for_it(plan, monkeypatch):
-    p, starts = plan
+def test_no_start_ahead_without_memory_for_it(tmp_path):
+    spare_answers = iter([True, True])  # prefetch's two starts; then none
+
+    def spare(starting: int) -> bool:
+        seen.append(starting)
+        return next(spare_answers, False)
+
+    seen: list[int] = []
+    p, starts = fake_plan(tmp_path, spare=spare)
     p.prefetch()
     ready(p, starts, "s0")
-    seen: list[int] = []
-
-    def spare(starting: int = 0) -> bool:
-        seen.append(starting)
-        return False
-
-    monkeypatch.setattr(server_plan, "memory_to_spare", spare)
-    assert not p.fill_idle(IDLE) and seen == [1]  # s1's start in flight counted
+    assert not p.fill_idle(IDLE) and seen == [0, 0, 1]  # s1's start in flight counted
+    p.close()
 
 
-def test_memory_to_spare_counts_each_start_in_flight(monkeypatch):
-    class Mem:
-        available = (server_plan.MIN_AVAILABLE_GIB + server_plan.START_GIB + 0.1) * 2**30
-
-    monkeypatch.setattr(server_plan.psutil, "virtual_memory", lambda: Mem)
-    assert server_plan.memory_to_spare(0) and server_plan.memory_to_spare(1)
-    assert not server_plan.memory_to_spare(2)
+def test_memory_to_spare_counts_each_start_in_flight():
+    gib = server_plan.MIN_AVAILABLE_GIB + server_plan.START_GIB + 0.1
+    available = gib * 2**30
+    assert memory_to_spare(0, available) and memory_to_spare(1, available)
+    assert not memory_to_spare(2, available)
 
 
 Times = namedtuple("Times", "user system idle iowait")
@@ -116,16 +140,14 @@ def test_busy_share_counts_idle_and_iowait_as_not_busy():
     assert busy_share(Times(1, 1, 1, 1), Times(1, 1, 1, 1)) == 1.0  # no time passed
 
 
-def test_the_monitor_sees_starts_ready_and_fills_idle_cores(plan, monkeypatch):
-    p, starts = plan
+def test_the_monitor_sees_starts_ready_and_fills_idle_cores(tmp_path):
     clock = iter(range(10**6))
 
     def idle_machine() -> Times:  # 10% busy between any two samples
         t = next(clock)
         return Times(t, 0, 9 * t, 0)
 
-    monkeypatch.setattr(server_plan.psutil, "cpu_times", idle_machine)
-    monkeypatch.setattr(server_plan, "MONITOR_S", 0.01)
+    p, starts = fake_plan(tmp_path, cpu_times=idle_machine, monitor_s=0.01)
     p.prefetch()
     starts["s0"].up.set()
     starts["s1"].up.set()
@@ -137,3 +159,27 @@ def test_the_monitor_sees_starts_ready_and_fills_idle_cores(plan, monkeypatch):
     p.close()  # joins the monitor: nothing can launch after it returns
     assert sorted(starts) == ["s0", "s1", "s2", "s3"]
     assert not p.monitor.is_alive() and not p.todo
+
+
+def test_the_end_stops_every_start_still_running_taken_or_not(plan):
+    p, starts = plan
+    p.prefetch()  # s0, s1 launched
+    with p.lock:  # a test took s0 and never stopped it (its fixture failed half way)
+        p.launched.pop(ServerSpec("s0"))
+    stop(starts["s1"])  # ...and one is gone already
+    p.close()
+    assert starts["s0"].stopped and not p.started
+
+
+def test_a_patch_of_what_the_session_plan_reads_is_seen(monkeypatch):
+    """The check tests/conftest.py runs after every test: the class, the
+    module and psutil's calls, each patched, are named (undone before this
+    test's own call ends, so the check passes for it)."""
+    before = surface()
+    for target, name, value in [(ServerPlan, "_launch", lambda *a: None),
+                                (server_plan, "MONITOR_S", 0.01),
+                                (server_plan.psutil, "cpu_times", lambda: None)]:
+        with monkeypatch.context() as m:
+            m.setattr(target, name, value)
+            assert patched(before, surface()), name
+    assert patched(before, surface()) == []
