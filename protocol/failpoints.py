@@ -1,6 +1,12 @@
 """Failpoints: the named places where a test makes the push path fail, and
 the one way to arm them. Off unless armed; production never arms one.
 
+A server arms them only when started for tests with `serve --failpoints
+FILE` (a flag, never the environment: server/config.py refuses to start a
+server that finds `$ROLLOUT_SIDECAR_FAILPOINTS` in its environment without
+the flag). `arm_file` then says so in the log, loudly, and hands the file
+to the engine's workers through their environment.
+
 Every place is a row of `FAILPOINTS` and one `fire(name, ...)` call at the
 site, which returns None unless the failpoint is armed. Armed:
 
@@ -72,6 +78,14 @@ def armed(name: str, action: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         _actions.pop(name, None)
+
+
+def arm_file(path: Path) -> None:
+    """Arm the failpoints `path` names in this process and the processes it
+    starts (a server's vLLM workers inherit its environment)."""
+    os.environ[ENV] = str(path)
+    log.warning("FAILPOINTS ARMED from %s: this server is started for tests and can be made "
+                "to serve weights nobody pushed; never run it for users", path)
 
 
 def _from_file(name: str, rank: int | None) -> str | None:

@@ -18,6 +18,7 @@ from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine.lifecycle import GenerationEngine
 from rollout_sidecar.server.engine.version_gate import MinVersionTimeout
 from rollout_sidecar.server.errors import BadRequest, PushConflict, ServiceUnavailable
+from rollout_sidecar.server.front_door import FrontDoor
 from rollout_sidecar.server.generate import router as generate
 from rollout_sidecar.server.generate.service import GenerateService
 from rollout_sidecar.server.generate.warmup import warm_up
@@ -25,13 +26,13 @@ from rollout_sidecar.server.health import router as health
 from rollout_sidecar.server.listeners import Listeners
 from rollout_sidecar.server.metrics import router as metrics
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
-from rollout_sidecar.server.middleware import DrainAndMeasure
 from rollout_sidecar.server.model.model_source import resolve_model
 from rollout_sidecar.server.openai_api import router as openai_api
 from rollout_sidecar.server.openai_api.compat import build_state
 from rollout_sidecar.server.openapi import install_openapi
 from rollout_sidecar.server.skyrl_api import router as skyrl_api
 from rollout_sidecar.server.weights import router as weights
+from rollout_sidecar.server.weights.peer_auth import PeerAnswerer
 from rollout_sidecar.server.weights.service import WeightService
 
 log = logging.getLogger("rollout_sidecar.server")
@@ -93,6 +94,8 @@ def create_app(settings: ServerSettings, model_path: Path | None = None,
 
     app = FastAPI(title="rollout-sidecar", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
+    app.state.peer_answerer = PeerAnswerer(
+        settings.admin_token.get_secret_value() if settings.admin_token else None)
     app.state.metrics = app_metrics
     app.state.boot_id = boot_id
     app.state.engine = None
@@ -105,7 +108,7 @@ def create_app(settings: ServerSettings, model_path: Path | None = None,
         app.include_router(module.router)
     install_openapi(app)
 
-    app.add_middleware(DrainAndMeasure, state=app.state)
+    app.add_middleware(FrontDoor, state=app.state, routes=app.router.routes)
 
     @app.exception_handler(RequestValidationError)
     async def on_malformed(_: Request, exc: RequestValidationError) -> JSONResponse:

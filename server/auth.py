@@ -1,47 +1,126 @@
-"""Bearer-token checks. Two tokens: one for generation, one for the admin and
+"""Who may call a route. Two tokens: one for generation, one for the admin and
 weight routes, so a rollout worker that can sample can never push weights.
 A token is also taken as the password of HTTP Basic auth, for clients that
 carry credentials only in ~/.netrc (SkyRL's weight-sync client: requests
-reads it)."""
+reads it). A replica catching up from a peer proves it holds the admin token
+without sending it (weights/peer_auth.py): the peer routes take that proof
+or the admin token.
+
+Every route declares its `Access` with one of the dependencies below. The
+front door (front_door.py) reads that declaration off the app's routes and
+checks it before a byte of the body is read; the dependency checks again
+for an app served without it (unit tests). An empty credential never
+matches: an empty token is refused at start (config.py), and an empty
+Bearer or Basic password is a 401 whatever the server holds.
+"""
 
 from __future__ import annotations
 
 import base64
 import secrets
+from collections.abc import Callable, Mapping
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException, Request, status
-from pydantic import SecretStr
+from fastapi.routing import APIRoute
+
+if TYPE_CHECKING:
+    from rollout_sidecar.server.config import ServerSettings
+    from rollout_sidecar.server.weights.peer_auth import PeerAnswerer
 
 
-def _check(request: Request, expected: SecretStr | None, *, required: bool, what: str) -> None:
-    if expected is None:
-        if required:
-            raise HTTPException(
-                status.HTTP_403_FORBIDDEN,
-                f"{what} routes are disabled: set ROLLOUT_SIDECAR_ADMIN_TOKEN on the server",
-            )
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() == "basic":  # the password (clients that read ~/.netrc: SkyRL's)
+class Access(str, Enum):
+    OPEN = "open"  # probes, scrapes, the peer challenge: no credential
+    API = "api"  # the generate token; open when the server has none
+    ADMIN = "admin"  # the admin token
+    PEER = "peer"  # the admin token, or a peer's proof that it holds it
+
+
+def credential(headers: Mapping[str, str]) -> tuple[str, str]:
+    """(scheme, credential) of the Authorization header, lower-case scheme;
+    HTTP Basic gives its password. ("", "") when there is none."""
+    scheme, _, value = headers.get("authorization", "").partition(" ")
+    scheme, value = scheme.lower(), value.strip()
+    if scheme == "basic":  # the password (clients that read ~/.netrc: SkyRL's)
         try:
-            token = base64.b64decode(token, validate=True).decode().partition(":")[2]
+            value = base64.b64decode(value, validate=True).decode().partition(":")[2]
         except (ValueError, UnicodeDecodeError):
-            token = ""
-    # compare_digest: no timing side channel on the token's prefix.
-    if scheme.lower() not in ("bearer", "basic") or not secrets.compare_digest(
-        token.encode(), expected.get_secret_value().encode()
-    ):
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            f"missing or wrong bearer token for {what} routes",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+            value = ""
+    return scheme, value
+
+
+def _matches(value: str, expected: str) -> bool:
+    # compare_digest: no timing side channel on the token's prefix. An empty
+    # credential never matches, whatever the server holds.
+    return bool(value) and bool(expected) and secrets.compare_digest(
+        value.encode(), expected.encode())
+
+
+def _unauthorized(what: str) -> HTTPException:
+    return HTTPException(status.HTTP_401_UNAUTHORIZED,
+                         f"missing or wrong bearer token for {what} routes",
+                         headers={"WWW-Authenticate": "Bearer"})
+
+
+def authorize(access: Access, headers: Mapping[str, str], settings: ServerSettings,
+              peers: PeerAnswerer | None = None, method: str = "GET", path: str = "") -> None:
+    """Raise the 401 (or 403: weight routes off) `access` calls for."""
+    if access is Access.OPEN:
+        return
+    scheme, value = credential(headers)
+    if access is Access.API:
+        if settings.api_token is None:
+            return
+        if scheme in ("bearer", "basic") and _matches(value, settings.api_token.get_secret_value()):
+            return
+        raise _unauthorized("generate")
+    if settings.admin_token is None:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "weight routes are disabled: set "
+                            "ROLLOUT_SIDECAR_ADMIN_TOKEN on the server")
+    admin = settings.admin_token.get_secret_value()
+    if scheme in ("bearer", "basic") and _matches(value, admin):
+        return
+    if access is Access.PEER and scheme == "peer" and peers is not None \
+            and peers.verify(value, method, path):
+        return
+    raise _unauthorized("weights")
+
+
+def _check(request: Request, access: Access) -> None:
+    state = request.app.state
+    authorize(access, request.headers, state.settings, getattr(state, "peer_answerer", None),
+              request.method, request.url.path)
 
 
 def require_api_token(request: Request) -> None:
-    _check(request, request.app.state.settings.api_token, required=False, what="generate")
+    _check(request, Access.API)
 
 
 def require_admin_token(request: Request) -> None:
-    _check(request, request.app.state.settings.admin_token, required=True, what="weights")
+    _check(request, Access.ADMIN)
+
+
+def require_admin_or_peer(request: Request) -> None:
+    _check(request, Access.PEER)
+
+
+def open_route(request: Request) -> None:
+    """Declares a route open on purpose (probes, scrapes, the peer challenge)."""
+
+
+_DECLARED: dict[Callable[..., Any], Access] = {
+    require_api_token: Access.API, require_admin_token: Access.ADMIN,
+    require_admin_or_peer: Access.PEER, open_route: Access.OPEN}
+
+
+def route_access(route: APIRoute) -> Access | None:
+    """What the route declared (its own or its router's dependency); None
+    if it declared nothing, which the route table test refuses."""
+    pending = list(route.dependant.dependencies)
+    while pending:
+        dep = pending.pop()
+        if dep.call in _DECLARED:
+            return _DECLARED[dep.call]
+        pending.extend(dep.dependencies)
+    return None

@@ -10,6 +10,7 @@ from typing import Any
 import typer
 
 from rollout_sidecar.server.cli_options import with_settings_flags
+from rollout_sidecar.server.config import ENV_PREFIX
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="A vLLM generation server for RL post-training.")
@@ -33,13 +34,21 @@ def serve(overrides: dict[str, Any]) -> None:
 
     try:
         settings = ServerSettings(**overrides)
-    except ValidationError as e:  # out-of-range values, tokens that clash
+    except ValidationError as e:  # out-of-range values, empty or clashing tokens
         err = e.errors()[0]
         name = ".".join(str(p) for p in err["loc"])
-        raise typer.BadParameter(err["msg"], param_hint=f"--{name.replace('_', '-')}"
-                                 if name else None) from None
+        secret = ServerSettings.model_fields.get(name)
+        hint = (None if not name else ENV_PREFIX + name.upper()
+                if secret is not None and "SecretStr" in str(secret.annotation)
+                else f"--{name.replace('_', '-')}")
+        raise typer.BadParameter(err["msg"].removeprefix("Value error, "),
+                                 param_hint=hint) from None
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.failpoints is not None:  # this process and its engine's workers
+        from rollout_sidecar.protocol.failpoints import arm_file
+
+        arm_file(settings.failpoints)
     if settings.headless:  # one host of an engine that node 0 serves
         from rollout_sidecar.server.engine.headless import HeadlessRefused, run_headless
 

@@ -18,9 +18,7 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from rollout_sidecar.server.config import ServerSettings
-
-ENV_PREFIX = "ROLLOUT_SIDECAR_"
+from rollout_sidecar.server.config import ENV_PREFIX, FLAG_ONLY, ServerSettings
 
 
 def _unwrap(annotation: Any) -> Any:
@@ -48,7 +46,8 @@ def _parameter(name: str, field: FieldInfo) -> inspect.Parameter:
     flag = "--" + name.replace("_", "-")
     env = ENV_PREFIX + name.upper()
     # Parentheses, not brackets: rich would read [..] as markup.
-    help_text = f"{field.description or ''} (env {env}; default: {_default_text(field)})"
+    source = "flag only" if name in FLAG_ONLY else f"env {env}"
+    help_text = f"{field.description or ''} ({source}; default: {_default_text(field)})"
     option: Any
     if kind is bool:
         option = typer.Option(None, f"{flag}/--no-{name.replace('_', '-')}", help=help_text,

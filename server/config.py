@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from rollout_sidecar.protocol.schema import CommitPolicy
 
@@ -17,6 +23,25 @@ ServeDtype = Literal["auto", "bfloat16", "float16", "float32"]
 Quantization = Literal["fp8_per_tensor", "fp8_per_block", "fp8_per_channel",
                        "int8_per_channel_weight_only"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+ENV_PREFIX = "ROLLOUT_SIDECAR_"
+# Settings a flag alone sets, never the environment: arming failpoints must be
+# a deliberate act of whoever starts a server for tests (protocol/failpoints.py).
+FLAG_ONLY = {"failpoints"}
+MAKE_TOKEN = "make one with `openssl rand -hex 32`"
+
+
+class _EnvWithoutFlagOnly(PydanticBaseSettingsSource):
+    """The environment's settings, less the flag-only ones."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: PydanticBaseSettingsSource) -> None:
+        super().__init__(settings_cls)
+        self.env = env
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.env().items() if k not in FLAG_ONLY}
 
 
 class ServerSettings(BaseSettings):
@@ -25,7 +50,17 @@ class ServerSettings(BaseSettings):
     Tokens are `SecretStr` so they never print in a repr, a log line or /info.
     """
 
-    model_config = SettingsConfigDict(env_prefix="ROLLOUT_SIDECAR_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    @classmethod
+    def settings_customise_sources(
+            cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, _EnvWithoutFlagOnly(settings_cls, env_settings),
+                dotenv_settings, file_secret_settings)
 
     host: str = Field("127.0.0.1", description="HTTP bind address. Ours is loopback where "
                       "vLLM binds all interfaces: a sidecar talks to its trainer over "
@@ -129,6 +164,11 @@ class ServerSettings(BaseSettings):
     headless: bool = Field(
         False, description="Run only this host's workers of an engine served by node 0 "
         "(nnodes > 1, node_rank > 0): no HTTP, no API; exits when its workers do.")
+    head_gone_s: float = Field(
+        60.0, gt=0, description="With --headless: how long node 0 may not answer before this "
+        "host's workers stop (exit 0), so that a supervisor restarts them against the next "
+        "node 0. Long enough to ride out a network blip; a node 0 that restarted serves "
+        "with a new engine, which these workers are not part of.")
     distributed_executor_backend: Literal["mp", "ray"] | None = Field(
         None, description="vLLM's executor: mp (processes, one host or, with nnodes, "
         "several) or ray (a Ray cluster's actors, across hosts; extra `ray`). Unset: vLLM's "
@@ -154,13 +194,38 @@ class ServerSettings(BaseSettings):
 
     api_token: SecretStr | None = Field(
         None, description="Bearer token for /generate, /info and the OpenAI routes (/v1/*); "
-        "/health, /ready and /metrics stay open. Unset: open."
+        "/health, /ready and /metrics stay open. Unset: open. Set but empty, or with "
+        "white space in it: the server refuses to start."
     )
     admin_token: SecretStr | None = Field(
         None,
-        description="Bearer token for /weights/*. Must differ from api_token. "
-        "Unset: weight routes refuse every call.",
+        description="Bearer token for /weights/* and the other weight-changing routes. Must "
+        "differ from api_token. Unset: weight routes refuse every call. Set but empty, or "
+        "with white space in it: the server refuses to start.",
     )
+    max_request_bytes: int = Field(
+        64 << 20, ge=4096, description="The largest request body any route takes, checked "
+        "after the token and before the body is read (413 above it). A bucket over HTTP is "
+        "bounded by its manifest entry instead.")
+    require_data_plane_secret: bool = Field(
+        False, description="Refuse a /weights/connect that brings no data-plane secret "
+        "(every rendezvous value is then signed; WeightPusher always sends one). The chart "
+        "turns it on.")
+    require_bucket_macs: bool = Field(
+        False, description="Refuse a /weights/connect whose buckets carry no keyed tag "
+        "(bucket_macs): every bucket is then proven to come from the trainer that holds the "
+        "connection's secret. WeightPusher tags its buckets for servers that require it "
+        "(it reads this from /weights/status). The chart turns it on.")
+    weight_sync_root: Path | None = Field(
+        None, description="SkyRL's delta weight sync: the directory its deltas are published "
+        "under (the store trainer and servers share); /fetch_weights reads nothing outside "
+        "it. Unset: SkyRL's fetch is refused (docs/skyrl.md).")
+    failpoints: Path | None = Field(
+        None, description="Tests only, and a flag only (never read from the environment): "
+        "arm the failpoints this file names (protocol/failpoints.py), which can make the "
+        "server serve weights nobody pushed. A server started with it says so in its log; "
+        "one started with ROLLOUT_SIDECAR_FAILPOINTS in its environment and no flag refuses "
+        "to start.")
 
     openai_args: str = Field(
         "", description="Extra `vllm serve` frontend flags for the OpenAI routes (/v1/*), "
@@ -270,8 +335,37 @@ class ServerSettings(BaseSettings):
                              "(vLLM refuses float32): serve with --dtype bfloat16")
         return value
 
-    def model_post_init(self, _context: object) -> None:
+    @field_validator("api_token", "admin_token")
+    @classmethod
+    def _a_real_token(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        """An empty token (an empty key in a Secret, `export X=`) or one with
+        white space (a Secret made from a file ends with a newline) is a
+        mistake, never a token: refused at start, naming the variable."""
+        if value is None:
+            return None
+        token, env = value.get_secret_value(), ENV_PREFIX + str(info.field_name).upper()
+        unset = ("unset it to leave the generate routes open" if info.field_name == "api_token"
+                 else "unset, the weight routes refuse every call")
+        if not token.strip():
+            raise ValueError(f"{env} is set but empty: {MAKE_TOKEN} ({unset})")
+        if any(c.isspace() for c in token):
+            raise ValueError(f"{env} has white space in it (a Secret made from a file keeps "
+                             f"its newline: use --from-literal): {MAKE_TOKEN}")
+        return value
+
+    @model_validator(mode="after")
+    def _tokens_differ(self) -> ServerSettings:
         api = self.api_token.get_secret_value() if self.api_token else None
         admin = self.admin_token.get_secret_value() if self.admin_token else None
         if admin is not None and admin == api:
             raise ValueError("admin_token must differ from api_token")
+        return self
+
+    @model_validator(mode="after")
+    def _failpoints_by_flag_only(self) -> ServerSettings:
+        from rollout_sidecar.protocol.failpoints import ENV
+
+        if self.failpoints is None and os.environ.get(ENV):
+            raise ValueError(f"{ENV} is set, but failpoints are armed only by `serve "
+                             "--failpoints FILE`, in a server started for tests: unset it")
+        return self

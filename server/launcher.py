@@ -67,6 +67,7 @@ class ServerProcess:
     log: Path
     env: dict[str, str] = field(repr=False)
     own_session: bool = False  # its own process group, killed whole by stop()
+    failpoints: Path | None = None  # `serve --failpoints`: a server started for tests
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         try:
@@ -166,7 +167,8 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
                   admin_token: str | None = None, env: Mapping[str, str] | None = None,
                   args: Sequence[str] = (), host: str | None = None, cpus: str | None = None,
                   prefix: Sequence[str] = (), own_session: bool = False, wait: bool = True,
-                  ready_timeout_s: float = 300, shm_size: str | None = None) -> ServerProcess:
+                  ready_timeout_s: float = 300, shm_size: str | None = None,
+                  failpoints: Path | None = None) -> ServerProcess:
     """Start `python -m rollout_sidecar.server.cli serve` with its output in `log`.
 
     Ports: free ones unless given, bound here and passed to the server as
@@ -182,7 +184,8 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
     own process group, so `stop()` also kills what it spawned. `wait`: block
     until /ready (else call `wait_ready()` later). `shm_size` (e.g. "256m";
     needs root): a /dev/shm of its own of that size (a tmpfs in a private
-    mount namespace), as a container's `shm_size` gives it.
+    mount namespace), as a container's `shm_size` gives it. `failpoints`:
+    a file of failpoints to arm (`serve --failpoints`; tests only).
     """
     env = dict(env or {})
     # An empty API token: the generate routes open, for clients that send none
@@ -223,6 +226,7 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
     cmd += ["--model", str(model)] if model is not None else []
     cmd += ["--dtype", dtype] if dtype is not None else []
     cmd += ["--max-model-len", str(max_model_len)] if max_model_len is not None else []
+    cmd += ["--failpoints", str(failpoints)] if failpoints is not None else []
     cmd += list(args)
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -235,7 +239,7 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
         for sock in held:  # the server's copies hold the ports now
             sock.close()
     server = ServerProcess(f"http://{host or '127.0.0.1'}:{port}", port, data_plane_port, api,
-                           admin, proc, log, full_env, own_session)
+                           admin, proc, log, full_env, own_session, failpoints)
     if wait:
         with server.stopped_on_error():
             server.wait_ready(ready_timeout_s)

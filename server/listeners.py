@@ -10,7 +10,7 @@ saw exactly that: "address already in use" after a full engine start).
 Bound, not listening: a client that calls while the engine starts is refused
 at once, as before, and is not left waiting in a backlog nobody accepts.
 asyncio listens when uvicorn starts serving; the TCPStore listens when the
-data plane starts.
+data plane starts (its store gate, weights/store_gate.py).
 
 A supervisor (our launcher, or systemd-style socket activation) can pass
 sockets it bound itself (`--http-fd`, `--data-plane-fd`), so a port it chose

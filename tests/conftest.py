@@ -45,7 +45,7 @@ class Server:
     port: int = 0
     dp_port: int = 0
     tmp: Path | None = None  # its folder
-    failpoints: Path | None = None  # ROLLOUT_SIDECAR_FAILPOINTS, if it has one
+    failpoints: Path | None = None  # `serve --failpoints FILE`, if it has one
 
     def client(self, **kw):
         from rollout_sidecar.client import GenerationClient
@@ -58,9 +58,7 @@ def as_server(s: ServerProcess, tmp: Path) -> Server:
     with s.stopped_on_error():
         model_path = Path(s.info()["model"])
     return Server(s.url, s.api_token, s.admin_token, model_path, s.proc, s.log, s.port,
-                  s.data_plane_port, tmp=tmp,
-                  failpoints=(Path(s.env["ROLLOUT_SIDECAR_FAILPOINTS"])
-                              if s.env.get("ROLLOUT_SIDECAR_FAILPOINTS") else None))
+                  s.data_plane_port, tmp=tmp, failpoints=s.failpoints)
 
 
 def start_server(tmp: Path, name: str, extra_env: dict | None = None,

@@ -94,7 +94,7 @@ class ServerSpec:
     max_model_len: int | None = 512
     model: str | None = None  # a hub id or a path; None: the embedded default
     family: str | None = None  # a tests/fidelity/zoo family, written before the start
-    failpoints: bool = False  # ROLLOUT_SIDECAR_FAILPOINTS, empty (no fault) at start
+    failpoints: bool = False  # `serve --failpoints`, a file empty (no fault) at start
     shm_size: str | None = None  # a /dev/shm of its own, this size (launch_server; root)
     # Writes what the server needs into its folder before the start (a hub
     # cache); returns environment for it.
@@ -161,9 +161,8 @@ def launch_spec(folder: Path, spec: ServerSpec, **overrides: Any) -> ServerProce
     folder.mkdir(parents=True, exist_ok=True)
     env = {"ROLLOUT_SIDECAR_CACHE_DIR": str(cache_dir(folder)), **TEST_ENV, **dict(spec.env)}
     if spec.failpoints:
-        fault = folder / "fault"
-        fault.write_text("")
-        env["ROLLOUT_SIDECAR_FAILPOINTS"] = str(fault)
+        overrides["failpoints"] = folder / "fault"
+        overrides["failpoints"].write_text("")
     if spec.prepare is not None:
         env.update(spec.prepare(folder))
     model: str | Path | None = spec.model

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollout_sidecar.protocol.schema import BeginRequest, ConnectRequest, DisconnectRequest
-from rollout_sidecar.server.errors import PushConflict
+from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.ops import SideOp
 from rollout_sidecar.server.weights.push_session import PushState
@@ -52,10 +52,11 @@ def _engine(llm: _FakeLLM) -> SimpleNamespace:
                            gate=VersionGate(0))
 
 
-def _settings():
+def _settings(**required: bool):
     return SimpleNamespace(connection_lease_s=LEASE_S, connect_timeout_max_s=10.0,
                            data_plane_host=None, host="127.0.0.1", data_plane_port=0,
-                           weight_staging="auto")
+                           weight_staging="auto", **{"require_data_plane_secret": False,
+                                                     "require_bucket_macs": False, **required})
 
 
 def _connect(cid: str, trainer: str, takeover: bool = False) -> ConnectRequest:
@@ -245,3 +246,19 @@ def test_a_silent_owners_lease_is_at_most_its_own_stall_bound():
         assert plane.owner.id == "b"
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("required, body, field", [
+    ({"require_data_plane_secret": True}, {}, "secret"),
+    ({"require_bucket_macs": True}, {}, "secret"),
+    ({"require_bucket_macs": True}, {"secret": "ab" * 32, "bucket_macs": False}, "bucket_macs"),
+])
+def test_a_server_that_requires_a_secret_or_tags_refuses_a_connect_without_by_field(
+        required, body, field):
+    plane = DataPlane(_FakeLLM(), _settings(**required))
+    with pytest.raises(BadRequest) as e:
+        asyncio.run(plane.connect(ConnectRequest(connection_id="c1", **body)))
+    assert e.value.field == field
+    assert plane.requires() == [r for r, on in (("data_plane_secret", required.get(
+        "require_data_plane_secret")), ("bucket_macs", required.get("require_bucket_macs")))
+        if on]

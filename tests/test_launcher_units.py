@@ -132,7 +132,7 @@ def test_warmup_requests_pass_the_servers_own_checks(max_model_len):
     reqs = warmup_requests(vocab_size=264, max_model_len=max_model_len)
     assert reqs["score"].sampling.prompt_logprobs and reqs["rollout_seeded"].sampling.logprobs
     for req in reqs.values():
-        check_request(req, ServerSettings())
+        check_request(req, ServerSettings(), max_model_len, 264)
         for ids in req.prompt_token_ids:
             assert all(0 <= t < 264 for t in ids)
             assert len(ids) + req.sampling.max_tokens <= max_model_len

@@ -148,18 +148,22 @@ def test_manifest_check_refuses_partial_wrong_shape_and_dtype():
                                                                                "bfloat16")},
                             tie_word_embeddings=False)
 
-    def req(params):
-        return BeginRequest(version=1, buckets=[{"index": 0, "nbytes": 64 * 3, "params": params}])
+    def req(params, nbytes=64 * 2):
+        return BeginRequest(version=1, buckets=[{"index": 0, "nbytes": nbytes, "params": params}])
 
     a = {"name": "a", "dtype": "bfloat16", "shape": [4], "offset": 0}
     b = {"name": "b", "dtype": "bfloat16", "shape": [2, 2], "offset": 64}
     check_manifest(req([a, b]), index, "bfloat16")  # complete and right: accepted
-    for params, field in [([a], "buckets"),  # partial: would zero fused layers
+    # A bucket is its slots padded to the alignment at most: no bytes nothing reads.
+    with pytest.raises(BadRequest) as e:
+        check_manifest(req([a, b], nbytes=64 * 3), index, "bfloat16")
+    assert e.value.field == "buckets[0].nbytes" and "may be 128 at most" in str(e.value)
+    for params, field in [([a], "buckets"),  # partial (a alone: 64 bytes): would zero fused layers
                           ([a, dict(b, shape=[4])], "buckets[0].params[1].shape"),
                           ([a, dict(b, dtype="float32")], "buckets[0].params[1].dtype"),
                           ([a, dict(b, name="c")], "buckets[0].params[1].name")]:
         with pytest.raises(BadRequest) as e:
-            check_manifest(req(params), index, "bfloat16")
+            check_manifest(req(params, 64 * len(params)), index, "bfloat16")
         assert e.value.field == field
     # No bucket at all: only a delta of unchanged weights (its base, relabelled).
     unchanged = BeginRequest(version=2, buckets=[], delta_base=1)

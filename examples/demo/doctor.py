@@ -22,7 +22,8 @@ from typing import Any
 
 import typer
 
-from rollout_sidecar.server.cli_options import ENV_PREFIX, with_settings_flags
+from rollout_sidecar.server.cli_options import with_settings_flags
+from rollout_sidecar.server.config import ENV_PREFIX, FLAG_ONLY
 
 
 class Failed(Exception):
@@ -50,9 +51,15 @@ def _platform() -> str:
 
 
 def _env(overrides: dict[str, Any]) -> dict[str, str]:
-    """`serve`'s flags as its environment variables (settings read both)."""
+    """`serve`'s flags as its environment variables (settings read both),
+    but for the flag-only ones (`_flags`)."""
     return {ENV_PREFIX + k.upper(): str(v).lower() if isinstance(v, bool) else str(v)
-            for k, v in overrides.items()}
+            for k, v in overrides.items() if k not in FLAG_ONLY}
+
+
+def _flags(overrides: dict[str, Any]) -> list[str]:
+    return [a for k, v in overrides.items() if k in FLAG_ONLY
+            for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def run_doctor(overrides: dict[str, Any]) -> int:
@@ -67,6 +74,7 @@ def run_doctor(overrides: dict[str, Any]) -> int:
 
         def start() -> str:
             state["server"] = s = launch_server(log=log, env=_env(overrides),
+                                                args=_flags(overrides),
                                                 ready_timeout_s=1800)
             defaults = [ln.split("engine defaults: ", 1)[1] for ln in
                         log.read_text(errors="replace").splitlines()

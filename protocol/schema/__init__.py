@@ -30,6 +30,8 @@ from rollout_sidecar.protocol.schema.weights_api import (
     CHAIN_RING,
     CHECK_SUM64,
     CHUNKS_INTERLEAVED,
+    REQUIRES_BUCKET_MACS,
+    REQUIRES_SECRET,
     SENDERS,
     SENDERS_NCCL,
     AbortRequest,
@@ -59,7 +61,7 @@ from rollout_sidecar.protocol.schema.weights_api import (
 
 __all__ = [
     "CAPABILITIES", "CHAIN_RING", "CHECK_SUM64", "CHUNKS_INTERLEAVED", "DRAFT",
-    "DRAFT_PREFIX", "SENDERS",
+    "DRAFT_PREFIX", "REQUIRES_BUCKET_MACS", "REQUIRES_SECRET", "SENDERS",
     "SENDERS_NCCL",
     "DraftOutcome", "DrafterStatus", "is_draft",
     "AbortRequest", "AdapterSpec", "BeginRequest", "BeginResponse", "BucketManifest",

@@ -49,6 +49,9 @@ CHUNKS_INTERLEAVED = "chunks:interleaved"
 # gloo: each bucket enters the chain at a replica of its own (`ConnectRequest.ring_starts`).
 CHAIN_RING = "chain:ring"
 CAPABILITIES = (SENDERS, CHECK_SUM64, SENDERS_NCCL, CHUNKS_INTERLEAVED, CHAIN_RING)
+# What a server requires of a connect (`WeightStatus.requires`; server/config.py).
+REQUIRES_SECRET = "data_plane_secret"  # a `ConnectRequest.secret`
+REQUIRES_BUCKET_MACS = "bucket_macs"  # `ConnectRequest.bucket_macs`: every bucket tagged
 Mac = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # bucket_mac.py's tag
 _HEX_SECRET = re.compile(r"(?:[0-9a-fA-F]{2})+")
 
@@ -60,6 +63,9 @@ def _hex_secret_schema(schema: dict) -> None:
 
 PatchFormName = Literal["dense", "index", "gaps", "bitmap"]
 POSITION_ALIGN = 8  # a patch's values start at a multiple of this, after its positions
+# Every slot starts at a multiple of this in its bucket (any dtype's view is
+# aligned), and a bucket is its slots padded to it at most.
+SLOT_ALIGN = 64
 
 
 def dtype_itemsize(name: str) -> int:
@@ -430,6 +436,10 @@ class WeightStatus(ReplyModel):
         "`check:sum64` (`BeginRequest.check`), `chunks:interleaved` (a split tensor's chunks "
         "in any order: `TensorSlot`), `chain:ring` (`ConnectRequest.ring_starts`), `draft` "
         "(a drafter that takes pushes).")
+    requires: list[str] = Field(
+        default_factory=list, description="What this server refuses a connect without: "
+        "`data_plane_secret` (`ConnectRequest.secret`), `bucket_macs` (every bucket tagged "
+        "with it; WeightPusher then tags its buckets).")
     push_timeout_s: float = Field(description="The deadline of one push, begin to commit.")
     commit_drain_s: float = Field(description="Longest wait for in-flight requests at a commit.")
     broken: str | None = Field(None, description="Set after a load failed mid-commit: "
@@ -446,10 +456,11 @@ class WeightStatus(ReplyModel):
     lora: LoraStatus | None = Field(
         None, description="LoRA adapter pushes: null unless the server was started with "
         "--enable-lora.")
-    catch_up: dict[str, float | int | str] | None = Field(
+    catch_up: dict[str, float | int | str | dict[str, str]] | None = Field(
         None, description="This replica's catch-up from a peer at start (--peers): the peer, "
         "the version, seconds from the catch-up's start to finding it, receiving it and "
-        "committing it, or why it did not happen. Null without peers.")
+        "committing it, or why it did not happen; `refused`: each peer that could not prove "
+        "it holds the admin token, and why. Null without peers.")
     drafter: DrafterStatus | None = Field(
         None, description="The speculative drafter (`serve --speculative-config`), or null.")
     staged_bytes: int | None = Field(

@@ -15,7 +15,7 @@ workers dies (exit code 1), or when node 0 is gone: its workers would wait on
 it forever (their message queues never hear of it), so a thread here checks
 node 0's torch.distributed store at master_addr:master_port, which lives as
 long as node 0's engine, and ends this host's part once it has been
-unreachable for `HEAD_GONE_S` (exit code 0: the engine ended).
+unreachable for `head_gone_s` (a setting; exit code 0: the engine ended).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from rollout_sidecar.server.model.model_source import resolve_model
 
 log = logging.getLogger(__name__)
 HEAD_POLL_S = 2.0
-HEAD_GONE_S = 10.0  # unreachable this long: node 0 is gone
 
 
 class HeadlessRefused(ValueError):
@@ -76,7 +75,8 @@ def run_headless(settings: ServerSettings) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     executor = MultiprocExecutor(config.vllm_config, monitor_workers=False)
-    watch = threading.Thread(target=watch_head, args=(pc.master_addr, pc.master_port),
+    watch = threading.Thread(target=watch_head, args=(pc.master_addr, pc.master_port,
+                                                      settings.head_gone_s),
                              daemon=True, name="rollout-sidecar-head-watch")
     watch.start()
     try:
@@ -86,7 +86,7 @@ def run_headless(settings: ServerSettings) -> int:
     return 0 if stopping else 1
 
 
-def watch_head(host: str, port: int, gone_s: float = HEAD_GONE_S) -> None:
+def watch_head(host: str, port: int, gone_s: float) -> None:
     """SIGTERM this process once node 0's store has not answered for `gone_s`
     (module docstring)."""
     last_seen = time.monotonic()

@@ -26,9 +26,19 @@ def _encodable(text: str, field: str) -> int:
                          f"{e.start}", field) from e
 
 
-def check_request(req: GenerateRequest, settings: ServerSettings) -> None:
+def check_request(req: GenerateRequest, settings: ServerSettings, max_model_len: int,
+                  vocab_size: int) -> None:
+    """Every value bounded before anything reaches vLLM: an integer it would
+    overflow on (max_tokens 2**64, top_k 10**30) failed inside the engine
+    with a 500 and left the request there."""
     if (err := req.sampling.range_error()) is not None:
         raise BadRequest(err[1], err[0])
+    if req.sampling.max_tokens > max_model_len:
+        raise BadRequest(f"sampling.max_tokens={req.sampling.max_tokens} is over max_model_len "
+                         f"{max_model_len}", "sampling.max_tokens")
+    if req.sampling.top_k > vocab_size:
+        raise BadRequest(f"sampling.top_k={req.sampling.top_k} is over the vocabulary "
+                         f"({vocab_size}); 0 disables it", "sampling.top_k")
     if req.min_weight_version is not None and req.min_weight_version < 0:
         raise BadRequest("min_weight_version must be >= 0", "min_weight_version")
 

@@ -37,7 +37,7 @@ class GenerateService:
         e = self.engine
         assert e.info is not None
         settings, tracker = e.settings, e.tracker
-        request_checks.check_request(req, settings)
+        request_checks.check_request(req, settings, e.info.max_model_len, e.info.vocab_size)
         prompt_ids = await request_checks.prompt_token_ids(
             req, e.tokenizer, e.info.max_model_len, e.info.vocab_size,
             settings.max_prompt_bytes or 32 * e.info.max_model_len)
@@ -86,12 +86,17 @@ class GenerateService:
         from vllm.exceptions import VLLMError
         from vllm.inputs import TokensPrompt
 
+        llm = self.engine.llm
         try:  # with the LoRA adapter of the version it was admitted under, if any
-            return await self.engine.llm.add_request(
+            return await llm.add_request(
                 request_id, TokensPrompt(prompt_token_ids=ids), params,
                 lora_request=self.engine.adapters.request_for(version))
-        except VLLMError as e:
-            raise request_checks.as_bad_request(e) from e
+        except BaseException as e:
+            # vLLM may hold it already (it failed on the way in): never leave it there.
+            await abort_quietly(llm.abort(request_id))
+            if isinstance(e, VLLMError):
+                raise request_checks.as_bad_request(e) from e
+            raise
 
     async def score(self, token_ids: list[int], version: int) -> list[float]:
         """logprob of token i given tokens < i (i >= 1) under `version`, which

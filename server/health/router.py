@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Depends, HTTPException, Request
 
 from rollout_sidecar.protocol.schema import HealthResponse, InfoResponse
-from rollout_sidecar.server.auth import require_api_token
+from rollout_sidecar.server.auth import open_route, require_api_token
 from rollout_sidecar.server.weights.service import transports
 
 router = APIRouter()
@@ -21,7 +21,7 @@ router = APIRouter()
 HEALTH_TIMEOUT_S = 10.0
 
 
-@router.get("/health", response_model=HealthResponse)
+@router.get("/health", response_model=HealthResponse, dependencies=[Depends(open_route)])
 async def health(request: Request) -> HealthResponse:
     engine = request.app.state.engine
     if engine is None or engine.llm is None:
@@ -33,7 +33,7 @@ async def health(request: Request) -> HealthResponse:
     return HealthResponse(status="ok")
 
 
-@router.get("/ready", response_model=HealthResponse)
+@router.get("/ready", response_model=HealthResponse, dependencies=[Depends(open_route)])
 async def ready(request: Request) -> HealthResponse:
     state = request.app.state
     if state.draining:

@@ -4,13 +4,17 @@ work unchanged."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from rollout_sidecar.server.auth import open_route
 
 router = APIRouter()
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(open_route)])
 async def metrics(request: Request) -> Response:
     m, engine = request.app.state.metrics, request.app.state.engine
     if engine is not None and engine.llm is not None:
@@ -20,7 +24,19 @@ async def metrics(request: Request) -> Response:
     # vLLM registers its metrics in prometheus_client's global registry (or a
     # multiprocess one under PROMETHEUS_MULTIPROC_DIR, which it reads itself).
     body = generate_latest(m.registry) + generate_latest(_vllm_registry())
+    if engine is not None:  # /metrics is open: vLLM's model_name label is our path
+        body = body.replace(f'"{engine.model_path}"'.encode(),
+                            f'"{public_name(request.app.state.settings.model, engine.model_path)}"'
+                            .encode())
     return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def public_name(given: str | None, path: Path) -> str:
+    """What /metrics calls the model: the hub id as given, else the
+    checkpoint folder's name (the path stays behind /info's token)."""
+    if given and not Path(given).exists():
+        return given
+    return path.name
 
 
 def _vllm_registry() -> CollectorRegistry:

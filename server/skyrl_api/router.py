@@ -8,7 +8,10 @@ weights from being sampled and to free a GPU it shares with the trainer.
 Neither applies here: a push commits between decode steps, all or nothing,
 and every token is tagged with its version, and the server's memory is its
 own. So `/pause`, `/resume`, `/sleep` and `/wake_up` answer and change
-nothing; `/reset_prefix_cache` resets it; `/get_world_size` is the engine's.
+nothing; nor does `/reset_prefix_cache`: every commit resets the prefix
+cache already (the only time its contents go stale), and SkyRL's generation
+client calls it with no token, so a reset here would let anyone cost every
+running request its cache; `/get_world_size` is the engine's.
 
 SkyRL's weight transfer: its delta backend (`weight_sync_backend=delta`:
 byte deltas in a shared store, fetched by each server) is a sidecar push
@@ -17,7 +20,9 @@ route does (SkyRL's weight client sends it from ~/.netrc, as HTTP Basic:
 auth.py). Its NCCL and CUDA IPC transfers are not served: an
 `init_weight_transfer_engine` for them answers 501, naming the delta
 backend, so a SkyRL run stops at its first weight call with the reason
-instead of training on stale weights (docs/skyrl.md).
+instead of training on stale weights (docs/skyrl.md). The weight calls run
+one at a time under one lock, so a fetch cannot race an update. Bodies
+that are not what SkyRL sends get a 400 naming the field.
 
 The control routes take the generate token when the server has one;
 SkyRL's generation client sends none, so a SkyRL deployment runs the
@@ -68,18 +73,19 @@ async def is_sleeping() -> JSONResponse:
 
 
 @router.post("/reset_prefix_cache", dependencies=API)
-async def reset_prefix_cache(request: Request) -> JSONResponse:
-    engine = request.app.state.engine
-    if engine is None or engine.llm is None:
-        raise ServiceUnavailable("the engine is still loading")
-    await engine.llm.reset_prefix_cache()
-    return JSONResponse({"reset": True})
+async def reset_prefix_cache() -> JSONResponse:
+    return JSONResponse({"reset": False, "why": "every weight commit resets the prefix cache; "
+                         "nothing in it is stale"})
 
 
 def _sync(request: Request) -> DeltaSync:
     state = request.app.state
+    if state.engine is None:
+        raise ServiceUnavailable("the engine is still loading")
     if getattr(state, "skyrl_delta", None) is None:
-        state.skyrl_delta = DeltaSync(Path(state.engine.model_path))
+        state.skyrl_delta = DeltaSync(Path(state.engine.model_path),
+                                      state.settings.weight_sync_root)
+        state.skyrl_lock = asyncio.Lock()
     return state.skyrl_delta
 
 
@@ -91,9 +97,21 @@ async def _body(request: Request) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...],
+           required: bool = False) -> Any:
+    """`body[name]` if it is a `kind` (None if absent and not required), else a 400."""
+    value = body.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise BadRequest(f"{name} must be {want}", name)
+    return value
+
+
 @router.post("/init_weight_transfer_engine", dependencies=ADMIN)
 async def init_weight_transfer_engine(request: Request) -> JSONResponse:
-    info = (await _body(request)).get("init_info") or {}
+    info = _field(await _body(request), "init_info", dict) or {}
     backend = "delta" if "base_model_path" in info or "local_checkpoint_dir" in info \
         else "NCCL" if "master_address" in info else "CUDA IPC" if "ipc" in str(info) \
         else None
@@ -101,40 +119,48 @@ async def init_weight_transfer_engine(request: Request) -> JSONResponse:
         return JSONResponse({"error": {"message": NOT_SERVED.format(backend=backend or "this"),
                                        "type": "NotImplementedError", "code": 501}},
                             status_code=501)
-    try:
-        await asyncio.to_thread(_sync(request).init, request.app.state.engine.gate.version)
-    except NotImplementedError as e:
-        return JSONResponse({"error": {"message": str(e), "code": 501}}, status_code=501)
-    return JSONResponse({"backend": "delta", "version": _sync(request).version})
+    sync = _sync(request)
+    async with request.app.state.skyrl_lock:
+        try:
+            base = await sync.init(request.app.state.weights)
+        except NotImplementedError as e:
+            return JSONResponse({"error": {"message": str(e), "code": 501}}, status_code=501)
+    return JSONResponse({"backend": "delta", "version": sync.version, "base": base})
 
 
 @router.post("/fetch_weights", dependencies=ADMIN)
 async def fetch_weights(request: Request) -> JSONResponse:
     body = await _body(request)
-    target = body.get("target_version")
-    if not isinstance(target, int) or isinstance(target, bool):
-        raise BadRequest("target_version must be an integer", "target_version")
-    stats = await asyncio.to_thread(_sync(request).fetch, target, body.get("sync_dir"),
-                                    body.get("uri"))
+    target = _field(body, "target_version", int, required=True)
+    sync_dir, uri = _field(body, "sync_dir", str), _field(body, "uri", str)
+    sync = _sync(request)
+    async with request.app.state.skyrl_lock:
+        stats = await asyncio.to_thread(sync.fetch, target, sync_dir, uri)
     return JSONResponse({"target_version": target, **stats})
 
 
 @router.post("/start_weight_update", dependencies=ADMIN)
 async def start_weight_update(request: Request) -> JSONResponse:
-    _sync(request).start()
+    sync = _sync(request)
+    async with request.app.state.skyrl_lock:
+        sync.start()
     return JSONResponse({"started": True})
 
 
 @router.post("/update_weights", dependencies=ADMIN)
 async def update_weights(request: Request) -> JSONResponse:
+    info = _field(await _body(request), "update_info", dict) or {}
     sync = _sync(request)
-    version, tensors = sync.to_push((await _body(request)).get("update_info") or {})
-    await push_into(request.app.state.weights, version, tensors)
-    sync.pushed()
+    async with request.app.state.skyrl_lock:
+        version, tensors = sync.to_push(info.get("target_version", info.get("version")))
+        await push_into(request.app.state.weights, version, tensors)
+        sync.pushed()
     return JSONResponse({"weight_version": version})
 
 
 @router.post("/finish_weight_update", dependencies=ADMIN)
 async def finish_weight_update(request: Request) -> JSONResponse:
-    _sync(request).finish()
+    sync = _sync(request)
+    async with request.app.state.skyrl_lock:
+        sync.finish()
     return JSONResponse({"finished": True})

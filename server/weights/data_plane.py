@@ -22,18 +22,18 @@ rendezvous store (one replica's), the group size and this server's first rank.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from rollout_sidecar.protocol.data_plane.ring_route import check_starts
 from rollout_sidecar.protocol.schema import (
+    REQUIRES_BUCKET_MACS,
+    REQUIRES_SECRET,
     BucketManifest,
     ConnectRequest,
     ConnectResponse,
@@ -43,8 +43,10 @@ from rollout_sidecar.protocol.schema import (
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.errors import BadRequest, PushConflict
+from rollout_sidecar.server.listeners import bind_port
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.ops import SideOp
+from rollout_sidecar.server.weights.store_gate import StoreGate
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ class DataPlane:
         self.ranks = ranks or llm.vllm_config.parallel_config.world_size_across_dp
         # Where this server's workers reach the store (rendezvous_address.py; set at start).
         self.worker_store_host = "127.0.0.1"
-        self.store: Any = None
+        self.gate = StoreGate()  # the rendezvous store, open while a trainer connects
         self.port = settings.data_plane_port
         self.owner: TrainerLease | None = None
         self.replaced: OrderedDict[str, str] = OrderedDict()  # old id -> who took over
@@ -100,22 +102,21 @@ class DataPlane:
     def bind_host(self) -> str:
         return self.settings.data_plane_host or self.settings.host
 
-    def start(self, listen_fd: int | None = None) -> None:
+    async def start(self, listen_fd: int | None = None) -> None:
         """`listen_fd`: a socket bound to the port already (server/listeners.py),
-        which the store takes over and closes."""
+        which the store's gate takes over (store_gate.py)."""
         # The server hosts the rendezvous store: trainers come and go, it stays.
         try:
-            self.store = torch.distributed.TCPStore(
-                self.bind_host, self.settings.data_plane_port, is_master=True,
-                wait_for_workers=False, timeout=datetime.timedelta(seconds=60),
-                master_listen_fd=listen_fd)
+            sock = socket.socket(fileno=listen_fd) if listen_fd is not None else bind_port(
+                self.bind_host, self.settings.data_plane_port, "--data-plane-port")
+            await self.gate.start(sock)
         except Exception as e:
             raise RuntimeError(f"data plane: cannot listen on {self.bind_host}:"
                                f"{self.settings.data_plane_port}: {e}") from e
-        self.port = self.store.port
+        self.port = self.gate.port
 
     def stop(self) -> None:
-        self.store = None
+        self.gate.stop()
 
     async def side(self, op: SideOp, payload: dict | None = None) -> dict:
         """Every worker's state, merged: connected once all are, failed or
@@ -126,6 +127,12 @@ class DataPlane:
             return {"connection": {"state": "failed", "error": str(e)}, "receive": "failed",
                     "receive_error": str(e), "staged_bytes": 0}
         return merge_states(replies)
+
+    def requires(self) -> list[str]:
+        """What this server refuses a connect without (`WeightStatus.requires`)."""
+        s = self.settings
+        return [name for name, on in ((REQUIRES_SECRET, s.require_data_plane_secret),
+                                      (REQUIRES_BUCKET_MACS, s.require_bucket_macs)) if on]
 
     async def connect(self, req: ConnectRequest,
                       gone: Callable[[], Awaitable[bool]] | None = None) -> ConnectResponse:
@@ -139,6 +146,15 @@ class DataPlane:
             transport(req.backend).check_fanout(req.fanout)
         except ValueError as e:
             raise BadRequest(str(e), "fanout") from None
+        if req.secret is None and (self.settings.require_data_plane_secret
+                                   or self.settings.require_bucket_macs):
+            raise BadRequest("secret: this server takes no connect without a data-plane "
+                             "secret (require_data_plane_secret); WeightPusher sends one",
+                             "secret")
+        if not req.bucket_macs and self.settings.require_bucket_macs:
+            raise BadRequest("bucket_macs: this server requires every bucket tagged with the "
+                             "connection's secret (require_bucket_macs); WeightPusher tags "
+                             "them for servers that say so in /weights/status", "bucket_macs")
         if req.senders > 1 and req.fanout != "chain":
             raise BadRequest(f"senders {req.senders}: several trainer ranks send point to point, "
                              "down a chain (fanout chain); a broadcast would carry every "
@@ -168,39 +184,42 @@ class DataPlane:
                     "ago: another trainer is pushing to this server. If that trainer is gone, "
                     f"connect again after {left:.0f}s, or with takeover=true", left)
         timeout = min(req.timeout_s, self.settings.connect_timeout_max_s)
-        self.owner = None
-        await self.side(SideOp.CONNECT, dict(
-            store_host=req.store_host or self.worker_store_host,
-            store_port=req.store_port or self.port,
-            connection_id=req.connection_id, backend=req.backend, timeout_s=timeout,
-            op_timeout_s=req.op_timeout_s,
-            world_size=req.world_size, rank_offset=req.rank_offset, senders=req.senders,
-            staging=self.settings.weight_staging, fanout=req.fanout,
-            ring_starts=req.ring_starts,
-            # Hex, to the workers only (StagedInitInfo keeps it out of its repr);
-            # nothing logs this payload.
-            secret=req.secret.get_secret_value() if req.secret is not None else None,
-            bucket_macs=req.secret is not None and req.bucket_macs))
-        log.info("data-plane connect %s: waiting up to %.0fs for the trainer to join",
-                 req.connection_id, timeout)
-        deadline, pause = now + timeout, POLL_S
-        while True:  # short RPCs: the engine core schedules generation in between
-            conn = (await self.side(SideOp.STATE))["connection"]
-            if conn["state"] == "connected":
-                break
-            left_us = gone is not None and await gone()
-            if conn["state"] == "failed" or left_us or time.monotonic() > deadline:
-                await self.side(SideOp.DISCONNECT)
-                if old is not None and old.id != req.connection_id:
-                    _remember(self.released, old.id, None)  # its group went at CONNECT
-                why = conn.get("error") or (
-                    "the trainer went away before joining (its connect request closed)"
-                    if left_us else f"the trainer did not join within {timeout:.0f}s")
-                log.warning("data-plane connect %s failed: %s", req.connection_id, why)
-                raise PushConflict(f"connect {req.connection_id}: {why} (is the data-plane "
-                                   f"port {self.port} reachable from the trainer?)")
-            await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-            pause = min(pause * 2, POLL_MAX_S)
+        # The store takes connections (ours, the trainer's, other replicas')
+        # only while this connect runs (store_gate.py).
+        with self.gate.window():
+            self.owner = None
+            await self.side(SideOp.CONNECT, dict(
+                store_host=req.store_host or self.worker_store_host,
+                store_port=req.store_port or self.port,
+                connection_id=req.connection_id, backend=req.backend, timeout_s=timeout,
+                op_timeout_s=req.op_timeout_s,
+                world_size=req.world_size, rank_offset=req.rank_offset, senders=req.senders,
+                staging=self.settings.weight_staging, fanout=req.fanout,
+                ring_starts=req.ring_starts,
+                # Hex, to the workers only (StagedInitInfo keeps it out of its repr);
+                # nothing logs this payload.
+                secret=req.secret.get_secret_value() if req.secret is not None else None,
+                bucket_macs=req.secret is not None and req.bucket_macs))
+            log.info("data-plane connect %s: waiting up to %.0fs for the trainer to join",
+                     req.connection_id, timeout)
+            deadline, pause = now + timeout, POLL_S
+            while True:  # short RPCs: the engine core schedules generation in between
+                conn = (await self.side(SideOp.STATE))["connection"]
+                if conn["state"] == "connected":
+                    break
+                left_us = gone is not None and await gone()
+                if conn["state"] == "failed" or left_us or time.monotonic() > deadline:
+                    await self.side(SideOp.DISCONNECT)
+                    if old is not None and old.id != req.connection_id:
+                        _remember(self.released, old.id, None)  # its group went at CONNECT
+                    why = conn.get("error") or (
+                        "the trainer went away before joining (its connect request closed)"
+                        if left_us else f"the trainer did not join within {timeout:.0f}s")
+                    log.warning("data-plane connect %s failed: %s", req.connection_id, why)
+                    raise PushConflict(f"connect {req.connection_id}: {why} (is the data-plane "
+                                       f"port {self.port} reachable from the trainer?)")
+                await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+                pause = min(pause * 2, POLL_MAX_S)
         if old is not None and old.id != req.connection_id:
             if own:
                 _remember(self.released, old.id, None)

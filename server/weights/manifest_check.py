@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_sidecar.protocol.schema import BeginRequest, TensorSlot, is_draft
-from rollout_sidecar.protocol.schema.weights_api import dtype_itemsize
+from rollout_sidecar.protocol.schema.weights_api import SLOT_ALIGN, dtype_itemsize
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 from rollout_sidecar.server.weights.adapter_check import AdapterFactors
@@ -148,6 +148,13 @@ def check_manifest(req: BeginRequest, index: CheckpointIndex, serve_dtype: str,
             if end_prev > bucket.nbytes:
                 raise BadRequest(f"{p.name}: ends at byte {end_prev}, bucket has "
                                  f"{bucket.nbytes}", f"{f}.offset")
+        # A bucket is its slots, padded to the alignment at most: a larger
+        # nbytes would make the server allocate (and a peer send) bytes no
+        # slot reads.
+        room = max(-(-end_prev // SLOT_ALIGN) * SLOT_ALIGN, SLOT_ALIGN)
+        if bucket.nbytes > room:
+            raise BadRequest(f"{where}.nbytes {bucket.nbytes}: its slots end at byte "
+                             f"{end_prev}, so it may be {room} at most", f"{where}.nbytes")
     chunks.finish()
     if factors is not None:
         factors.finish()

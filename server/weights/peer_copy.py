@@ -11,14 +11,18 @@ the next one refuse, and one that ended in between shows as another version:
 either way the catch-up fails whole and nothing of it loads.
 
 The new replica's side (`catch_up`, started once it serves, before it
-reports ready): read every peer's status (`--peers`: URLs or a `dns+` name,
-this server itself skipped by its boot id), take the newest version a healthy
-peer's staged copy holds, and push it into itself as an HTTP push: begin,
-each bucket staged and CRC-checked, commit (all or nothing, the version the
-peer serves). Meanwhile a request with `min_weight_version` waits at the gate
-and a trainer's connect or begin waits for the catch-up (both bounded), so a push is
-ordered after it. A catch-up that fails leaves the replica on what it serves,
-ready, and the trainer's next push (dense, as after any restart) brings it up.
+reports ready): every peer (`--peers`: URLs or a `dns+` name) first proves
+it holds the fleet's admin token, which is never sent (peer_auth.py); one
+that cannot is refused and named in the status. Then read every proven
+peer's status (this server itself skipped by its boot id), take the newest
+version a healthy peer's staged copy holds, and push it into itself as an
+HTTP push: begin, each bucket streamed up to its manifest size, its tag and
+CRC checked, staged, commit (all or nothing, the version the peer serves).
+Meanwhile a request with `min_weight_version` waits at the gate and a
+trainer's connect or begin waits for the catch-up (both bounded), so a push
+is ordered after it. A catch-up that fails leaves the replica on what it
+serves, ready, and the trainer's next push (dense, as after any restart)
+brings it up.
 """
 
 from __future__ import annotations
@@ -26,23 +30,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from rollout_sidecar.protocol import failpoints
 from rollout_sidecar.protocol.data_plane.bucket_check import crc32_of_bytes
-from rollout_sidecar.protocol.schema import (
-    BeginRequest,
-    CommitRequest,
-    StagedCopy,
-    WeightStatus,
-)
-from rollout_sidecar.protocol.schema.endpoints import auth_headers, expand_urls
+from rollout_sidecar.protocol.schema import BeginRequest, StagedCopy, WeightStatus
+from rollout_sidecar.protocol.schema.endpoints import expand_urls
 from rollout_sidecar.server.errors import PushConflict
 from rollout_sidecar.server.weights import ops
+from rollout_sidecar.server.weights.in_process_push import Bucket, push_in_process
 from rollout_sidecar.server.weights.ops import SideOp
+from rollout_sidecar.server.weights.peer_auth import MAC_HEADER, PeerRefused, PeerSession
 
 if TYPE_CHECKING:
     from rollout_sidecar.server.weights.service import WeightService
@@ -110,52 +112,69 @@ class PeerCopy:
         svc = self.service
         peers = await asyncio.to_thread(expand_urls, svc.settings.peers)
         token = svc.settings.admin_token.get_secret_value() if svc.settings.admin_token else None
-        async with httpx.AsyncClient(headers=auth_headers(token), timeout=HTTP_TIMEOUT_S) as http:
-            found = await asyncio.gather(*(_status(http, u) for u in peers))
+        if token is None:
+            raise PeerRefused("no admin token: nothing to prove a peer holds it with")
+        limit = svc.settings.max_request_bytes
+        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
+            found = await asyncio.gather(*(self._status(http, u, token, limit) for u in peers))
             own = svc.engine.gate.version
-            usable = [(st, u) for st, u in zip(found, peers, strict=True) if st is not None
+            usable = [(st, session) for st, session in found if st is not None
                       and st.boot_id != svc.boot_id and st.broken is None
                       and st.delta_base == st.weight_version and st.weight_version > own]
             if not usable:
                 self.timeline["outcome"] = "no peer serves a newer version from a staged copy"
                 log.info("catch-up: %s (own version %d)", self.timeline["outcome"], own)
                 return
-            status, url = max(usable, key=lambda x: x[0].weight_version)
-            copy = StagedCopy.model_validate((await _get(http, f"{url}/weights/staged")).json())
+            status, session = max(usable, key=lambda x: x[0].weight_version)
+            copy = StagedCopy.model_validate_json(await _get(http, session, "/weights/staged",
+                                                             limit))
             if copy.version != status.weight_version:
-                raise RuntimeError(f"{url} moved from version {status.weight_version} to "
-                                   f"{copy.version} while this replica read it")
-            self.timeline.update(peer=url, version=copy.version,
+                raise RuntimeError(f"{session.url} moved from version {status.weight_version} "
+                                   f"to {copy.version} while this replica read it")
+            self.timeline.update(peer=session.url, version=copy.version,
                                  found_s=round(time.monotonic() - t0, 3))
-            await self._push_from(http, url, copy, t0)
+            await self._push_from(http, session, copy, t0)
 
-    async def _push_from(self, http: httpx.AsyncClient, url: str, copy: StagedCopy,
-                         t0: float) -> None:
-        """`copy` into this replica as an HTTP push: begin, stage, commit."""
-        svc = self.service
-        begun = await svc.begin_now(BeginRequest(version=copy.version, transport="http",
-                                                 buckets=copy.buckets))
-        checksums = []
+    async def _status(self, http: httpx.AsyncClient, url: str, token: str, limit: int
+                      ) -> tuple[WeightStatus | None, PeerSession | None]:
+        """A peer's status once it proved it holds the token; (None, None)
+        if it is down, starting (another may do) or refused (named in the
+        timeline: it never learns the token, and nothing of it is read)."""
         try:
+            session = await PeerSession.open(http, url, token)
+            return WeightStatus.model_validate_json(
+                await _get(http, session, "/weights/status", limit)), session
+        except PeerRefused as e:
+            self.timeline.setdefault("refused", {})[url] = str(e)  # type: ignore[index]
+            log.warning("catch-up: %s", e)
+        except Exception as e:
+            log.info("catch-up: %s not usable: %s", url, e)
+        return None, None
+
+    async def _push_from(self, http: httpx.AsyncClient, peer: PeerSession, copy: StagedCopy,
+                         t0: float) -> None:
+        """`copy` into this replica as an in-process push, bucket by bucket."""
+        async def buckets() -> AsyncIterator[Bucket]:
             for b in copy.buckets:
-                r = await _get(http, f"{url}/weights/staged/{b.index}")
-                if int(r.headers["X-Weight-Version"]) != copy.version:
-                    raise RuntimeError(f"{url} moved to version {r.headers['X-Weight-Version']} "
-                                       f"while this replica read version {copy.version}")
-                checksum = int(r.headers["X-Checksum"])
-                await svc.stage_bucket(begun.push_id, b.index, r.content, checksum)
-                checksums.append(checksum)
+                path = f"/weights/staged/{b.index}"
+                data, headers = await _get(http, peer, path, b.nbytes, whole=True)
+                if int(headers["X-Weight-Version"]) != copy.version:
+                    raise RuntimeError(f"{peer.url} moved to version "
+                                       f"{headers['X-Weight-Version']} while this replica read "
+                                       f"version {copy.version}")
+                yield data, int(headers["X-Checksum"])
             self.timeline["received_s"] = round(time.monotonic() - t0, 3)
-            if (hold := failpoints.fire("catch_up.hold")) is not None:
-                while not Path(hold).exists():  # bounded by the catch-up's timeout
+
+        async def hold() -> None:
+            if (until := failpoints.fire("catch_up.hold")) is not None:
+                while not Path(until).exists():  # bounded by the catch-up's timeout
                     await asyncio.sleep(0.05)
-            await svc.commit(CommitRequest(push_id=begun.push_id, checksums=checksums))
-        except BaseException as e:
-            if svc.session.current is not None and svc.session.current.push_id == begun.push_id:
-                await svc.abort(begun.push_id, f"catch-up from {url} failed: {e}")
-            raise
+
+        await push_in_process(self.service, BeginRequest(
+            version=copy.version, transport="http", buckets=copy.buckets), buckets(),
+            f"catch-up from {peer.url} failed", before_commit=hold)
         self.timeline.update(outcome="caught up", committed_s=round(time.monotonic() - t0, 3))
-        log.info("catch-up: version %d from %s in %.1fs", copy.version, url,
+        log.info("catch-up: version %d from %s in %.1fs", copy.version, peer.url,
                  time.monotonic() - t0)
 
 
@@ -164,16 +183,23 @@ def bucket_headers(version: int, data: bytes) -> dict[str, str]:
     return {"X-Weight-Version": str(version), "X-Checksum": str(crc32_of_bytes(data))}
 
 
-async def _get(http: httpx.AsyncClient, url: str) -> httpx.Response:
-    r = await http.get(url)
-    if r.status_code != 200:
-        raise RuntimeError(f"GET {url}: {r.status_code} {r.text[:300]}")
-    return r
-
-
-async def _status(http: httpx.AsyncClient, url: str) -> WeightStatus | None:
-    try:
-        return WeightStatus.model_validate((await _get(http, f"{url}/weights/status")).json())
-    except Exception as e:  # a peer down or still starting: another may do
-        log.info("catch-up: %s not usable: %s", url, e)
-        return None
+async def _get(http: httpx.AsyncClient, peer: PeerSession, path: str, limit: int,
+               whole: bool = False) -> Any:
+    """GET `path` of `peer`, streamed: refused past `limit` bytes before any
+    more is read (or short of it, `whole`: a bucket is exactly its manifest
+    size); its tag checked. The body, and with `whole` its headers too."""
+    async with http.stream("GET", peer.url + path, headers=peer.headers("GET", path)) as r:
+        if r.headers.get("content-encoding", "identity") != "identity":  # no bombs
+            raise PeerRefused(f"{peer.url}{path}: content-encoding "
+                              f"{r.headers['content-encoding']}; peers send bytes as they are")
+        body = bytearray()
+        async for chunk in r.aiter_raw():
+            body += chunk
+            if len(body) > limit:
+                raise PeerRefused(f"{peer.url}{path}: more than the {limit} bytes it may be")
+        if r.status_code != 200:
+            raise RuntimeError(f"GET {peer.url}{path}: {r.status_code} {bytes(body[:300])!r}")
+        if whole and len(body) != limit:
+            raise PeerRefused(f"{peer.url}{path}: {len(body)} bytes, its manifest says {limit}")
+        await asyncio.to_thread(peer.check, path, body, r.headers.get(MAC_HEADER))
+        return (body, r.headers) if whole else bytes(body)

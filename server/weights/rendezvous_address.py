@@ -46,10 +46,10 @@ def store_host(bind_host: str, hosts: list[WorkerHost], settings: ServerSettings
             f"this engine has workers on {', '.join(remote)}, which cannot reach the "
             f"data-plane store listening on {bind_host}: serve with --host 0.0.0.0 (or "
             "--data-plane-host set to an address they reach)")
+    if settings.data_plane_advertise_host:  # said outright: wins (a NAT, a proxy)
+        return settings.data_plane_advertise_host
     if bind_host not in ANY:
         return bind_host
-    if settings.data_plane_advertise_host:
-        return settings.data_plane_advertise_host
     if settings.nnodes > 1:
         return settings.master_addr
     from vllm.utils.network_utils import get_ip

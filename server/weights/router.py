@@ -1,10 +1,14 @@
-"""Admin routes for weight pushes. All need the admin token."""
+"""Admin routes for weight pushes. All need the admin token; the three a
+replica catching up reads (status, the staged copy) also take a peer's
+proof that it holds it (peer_auth.py), and the challenge that starts that
+proof is open."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Path, Request, Response
+from fastapi import APIRouter, Body, Depends, Header, HTTPException, Path, Request, Response
+from pydantic import BaseModel
 
 from rollout_sidecar.protocol.schema import (
     AbortRequest,
@@ -25,34 +29,62 @@ from rollout_sidecar.protocol.schema import (
     WeightIndex,
     WeightStatus,
 )
-from rollout_sidecar.server.auth import require_admin_token
+from rollout_sidecar.server.auth import (
+    credential,
+    open_route,
+    require_admin_or_peer,
+    require_admin_token,
+)
+from rollout_sidecar.server.front_door import BodyTooLarge
 from rollout_sidecar.server.weights.peer_copy import bucket_headers
 
-router = APIRouter(prefix="/weights", dependencies=[Depends(require_admin_token)])
+router = APIRouter(prefix="/weights")
+ADMIN = [Depends(require_admin_token)]
+PEER = [Depends(require_admin_or_peer)]
 
 
 def _svc(request: Request):  # noqa: ANN202
     return request.app.state.weights
 
 
-@router.get("/status", response_model=WeightStatus)
-async def status(request: Request) -> WeightStatus:
-    return _svc(request).status()
+def _to_peer(request: Request, body: bytes, headers: dict[str, str] | None = None,
+             media_type: str = "application/json") -> Response:
+    """`body` as it is sent, tagged for a peer that asked with its proof."""
+    scheme, value = credential(request.headers)
+    sealed = request.app.state.peer_answerer.seal(value, request.url.path, body) \
+        if scheme == "peer" else {}
+    return Response(body, media_type=media_type, headers={**(headers or {}), **sealed})
 
 
-@router.get("/index", response_model=WeightIndex)
+@router.post("/peer/challenge", dependencies=[Depends(open_route)])
+async def peer_challenge(request: Request, nonce: str = Body(..., embed=True,
+                                                             max_length=64)) -> dict:
+    """A replica catching up asks this server to prove it holds the admin
+    token (weights/peer_auth.py); nothing is read or changed."""
+    answer = request.app.state.peer_answerer.challenge(nonce)
+    if answer is None:
+        raise HTTPException(400, "nonce: 64 hex digits, and a server with an admin token")
+    return answer
+
+
+@router.get("/status", response_model=WeightStatus, dependencies=PEER)
+async def status(request: Request) -> Response:
+    return _to_peer(request, _svc(request).status().model_dump_json().encode())
+
+
+@router.get("/index", response_model=WeightIndex, dependencies=ADMIN)
 async def index(request: Request) -> WeightIndex:
     return _svc(request).index()
 
 
-@router.post("/probe", response_model=ProbeResult)
+@router.post("/probe", response_model=ProbeResult, dependencies=ADMIN)
 async def probe(body: ProbeRequest, request: Request) -> ProbeResult:
     """Compare the trainer's logprobs of a probe sequence with the served ones;
     a gap over the tolerance marks the version suspect."""
     return await _svc(request).probe(body)
 
 
-@router.post("/connect", response_model=ConnectResponse)
+@router.post("/connect", response_model=ConnectResponse, dependencies=ADMIN)
 async def connect(body: ConnectRequest, request: Request) -> ConnectResponse:
     """Returns once the data-plane group formed. A trainer that dies (or gives
     up) while the server waits for it to join ends the wait at once: its
@@ -61,7 +93,7 @@ async def connect(body: ConnectRequest, request: Request) -> ConnectResponse:
     return await _svc(request).connect(body, gone=request.is_disconnected)
 
 
-@router.post("/disconnect", response_model=DisconnectResponse)
+@router.post("/disconnect", response_model=DisconnectResponse, dependencies=ADMIN)
 async def disconnect(body: DisconnectRequest, request: Request) -> DisconnectResponse:
     """Release the data plane now (a trainer done pushing), instead of leaving
     its lease to run out: 409 if another connection owns it or a push is in
@@ -69,49 +101,58 @@ async def disconnect(body: DisconnectRequest, request: Request) -> DisconnectRes
     return await _svc(request).disconnect(body)
 
 
-@router.post("/begin", response_model=BeginResponse)
+@router.post("/begin", response_model=BeginResponse, dependencies=ADMIN)
 async def begin(body: BeginRequest, request: Request) -> BeginResponse:
     return await _svc(request).begin(body)
 
 
-@router.put("/bucket/{index}")
-async def bucket(index: int, request: Request, x_push_id: str = Header(...),
-                 x_checksum: int = Header(...)) -> dict:
-    data = await request.body()
-    await _svc(request).stage_bucket(x_push_id, index, data, x_checksum)
+@router.put("/bucket/{index}", dependencies=ADMIN)
+async def bucket(request: Request, index: Annotated[int, Path(ge=0, lt=2**31)],
+                 x_push_id: str = Header(..., max_length=128),
+                 x_checksum: int = Header(..., ge=0, lt=2**32)) -> dict:
+    """One bucket of an HTTP push: refused (413) past its manifest entry's
+    size before any more of it is read."""
+    svc = _svc(request)
+    size = svc.bucket_size(x_push_id, index)
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > size:
+            raise BodyTooLarge(size, f"push's buckets[{index}].nbytes")
+    await svc.stage_bucket(x_push_id, index, data, x_checksum)
     return {"bucket": index, "nbytes": len(data)}
 
 
-@router.post("/prepare", response_model=PrepareResponse)
+@router.post("/prepare", response_model=PrepareResponse, dependencies=ADMIN)
 async def prepare(body: PrepareRequest, request: Request) -> PrepareResponse:
     """Phase 1 of a commit across replicas: every bucket arrived and passed its
     CRC; nothing is loaded. Commit (phase 2) or abort follows."""
     return await _svc(request).prepare(body)
 
 
-@router.post("/commit", response_model=CommitResponse)
+@router.post("/commit", response_model=CommitResponse, dependencies=ADMIN)
 async def commit(body: CommitRequest, request: Request) -> CommitResponse:
     """Load the push and serve it: after a prepare, or both phases in one call."""
     return await _svc(request).commit(body)
 
 
-@router.post("/abort", response_model=LastPush)
+@router.post("/abort", response_model=LastPush, dependencies=ADMIN)
 async def abort(body: AbortRequest, request: Request) -> LastPush:
     """End a push that has not started committing; aborting it twice is fine."""
     return await _svc(request).abort(body.push_id, body.reason)
 
 
-@router.get("/staged", response_model=StagedCopy)
-async def staged(request: Request) -> StagedCopy:
+@router.get("/staged", response_model=StagedCopy, dependencies=PEER)
+async def staged(request: Request) -> Response:
     """The version this replica's staged copy holds and its buckets: what a
     replica starting with `--peers` catches up from (peer_copy.py)."""
-    return await _svc(request).peer_copy.manifest()
+    copy: BaseModel = await _svc(request).peer_copy.manifest()
+    return _to_peer(request, copy.model_dump_json().encode())
 
 
-@router.get("/staged/{index}")
+@router.get("/staged/{index}", dependencies=PEER)
 async def staged_bucket(request: Request,
                         index: Annotated[int, Path(ge=0, lt=2**31)]) -> Response:
     """One bucket of the staged copy, its version and CRC-32 in headers."""
     version, data = await _svc(request).peer_copy.bucket(index)
-    return Response(data, media_type="application/octet-stream",
-                    headers=bucket_headers(version, data))
+    return _to_peer(request, data, bucket_headers(version, data), "application/octet-stream")

@@ -121,7 +121,7 @@ class WeightService:
             self.shared_root.create()
         await staging_layout.assign(self.llm, layout, self.boot_id)
         self.plane.ranks = layout.ranks
-        self.plane.start(listen_fd)
+        await self.plane.start(listen_fd)
 
     async def stop(self) -> None:
         async with self.session.lock:
@@ -146,6 +146,7 @@ class WeightService:
             data_plane_port=self.plane.port, data_plane_ranks=self.plane.ranks,
             staging_layout=self.layout.describe() if self.layout else None,
             transports=transports(), capabilities=self.capabilities(),
+            requires=self.plane.requires(),
             push_timeout_s=self.settings.push_timeout_s,
             commit_drain_s=self.settings.commit_drain_s, last_push=self.session.last,
             last_probe=self.last_probe, suspect=gate.suspect.get(gate.version),
@@ -299,11 +300,30 @@ class WeightService:
                                f"full weights of version {table.base_version}; send the base "
                                "weights with the adapter (see WeightStatus.lora.base_version)")
 
-    async def stage_bucket(self, push_id: str, index: int, data: bytes, checksum: int) -> None:
+    def bucket_size(self, push_id: str, index: int) -> int:
+        """The bytes bucket `index` of HTTP push `push_id` carries (its
+        manifest entry), before any of it is read."""
+        push = self.session.require(push_id, PushState.RECEIVING)
+        if push.distributed:
+            raise PushConflict("this push uses the distributed data plane, not HTTP")
+        if not 0 <= index < len(push.req.buckets):
+            raise BadRequest(f"bucket {index}: push {push_id} has {len(push.req.buckets)} "
+                             "buckets", "index")
+        return push.req.buckets[index].nbytes
+
+    async def stage_bucket(self, push_id: str, index: int, data: bytes | bytearray,
+                           checksum: int) -> None:
+        """Stage an HTTP bucket: its length against its manifest entry
+        first, then its CRC, then into the workers."""
         async with self.session.lock:
+            size = self.bucket_size(push_id, index)
             push = self.session.require(push_id, PushState.RECEIVING)
-            if push.distributed:
-                raise PushConflict("this push uses the distributed data plane, not HTTP")
+            if len(data) != size:
+                await self.session.fail(push, f"bucket {index}: {len(data)} bytes over HTTP, "
+                                        f"its manifest entry {size}")
+                raise BadRequest(f"bucket {index}: {len(data)} bytes, the push's "
+                                 f"buckets[{index}].nbytes is {size}; push {push_id} failed",
+                                 f"buckets[{index}].nbytes")
             # Off the event loop: a 256 MiB bucket takes ~60 ms to checksum.
             if await asyncio.to_thread(crc32_of_bytes, data) != checksum:
                 await self.session.fail(push, f"bucket {index} checksum mismatch over HTTP")

@@ -62,7 +62,7 @@ class Stage:
 
     op: ClassVar[WorkerOp] = WorkerOp.STAGE
     bucket: int
-    data: bytes
+    data: bytes | bytearray
 
 
 @dataclass(frozen=True)

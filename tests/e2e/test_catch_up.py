@@ -10,13 +10,17 @@ replica's catch-up is held with every bucket staged (the `catch_up.hold`
 failpoint) while a trainer pushes to all four: the push waits for it on that
 replica, the replica commits the fleet's version first, then the push's,
 and serves it bit for bit like the others. A replica with nothing staged
-refuses to be read, naming why."""
+refuses to be read, naming why. A stub listed first among the peers, which
+claims version 10^12 and answers the challenge without the token, is
+refused by name and never sees the admin token."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -53,6 +57,34 @@ def reference_logprobs(model) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
 
 
+class RoguePeer(BaseHTTPRequestHandler):
+    """Answers as a peer would, with weights nobody trained (version 10^12),
+    and without the admin token: its challenge proof is made up. Records
+    every header it is sent."""
+
+    seen: list[dict] = []
+
+    def _answer(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        RoguePeer.seen.append(dict(self.headers))
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self._answer({"nonce": "ab" * 32, "proof": "00" * 32})
+
+    def do_GET(self) -> None:  # noqa: N802
+        RoguePeer.seen.append(dict(self.headers))
+        self._answer({"weight_version": 10**12, "delta_base": 10**12})
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 def step(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -82,9 +114,15 @@ def test_a_late_replica_serves_the_fleets_version_before_it_is_ready(tmp_path):
                 assert pusher.push(model, version=v).version == v
         assert status(a)["weight_version"] == status(b)["weight_version"] == 5
 
+        rogue = ThreadingHTTPServer(("127.0.0.1", 0), RoguePeer)
+        threading.Thread(target=rogue.serve_forever, daemon=True).start()
+        rogue_url = f"http://127.0.0.1:{rogue.server_address[1]}"
         started = time.monotonic()
-        c = start_server(tmp_path, "peer-c", dtype="float32", tokens_of=a,
-                         extra_env={"ROLLOUT_SIDECAR_PEERS": f"{a.url},{b.url}"})
+        try:
+            c = start_server(tmp_path, "peer-c", dtype="float32", tokens_of=a, extra_env={
+                "ROLLOUT_SIDECAR_PEERS": f"{rogue_url},{a.url},{b.url}"})
+        finally:
+            rogue.shutdown()
         servers.append(c)
         ready_s = time.monotonic() - started
         st = status(c)
@@ -92,6 +130,8 @@ def test_a_late_replica_serves_the_fleets_version_before_it_is_ready(tmp_path):
         timeline = st["catch_up"]
         assert timeline["outcome"] == "caught up" and timeline["version"] == 5, timeline
         assert timeline["peer"] in (a.url, b.url)
+        assert "did not prove it holds this fleet's admin token" in timeline["refused"][rogue_url]
+        assert RoguePeer.seen and not any(a.admin_token in json.dumps(h) for h in RoguePeer.seen)
         print(f"\ncatch-up: start -> ready (serving v5) {ready_s:.1f}s; {timeline}")
         served = {s.url: prompt_logprobs(s) for s in servers}
         assert torch.equal(served[c.url], served[a.url]), (served[c.url] - served[a.url]).abs()
@@ -131,8 +171,7 @@ def push_during_a_catch_up(tmp_path, servers, model) -> None:
         log=tmp_path / "peer-d.log", dtype="float32", max_model_len=512, wait=False,
         api_token=a.api_token, admin_token=a.admin_token, ready_timeout_s=300,
         env={"ROLLOUT_SIDECAR_CACHE_DIR": str(cache_dir(tmp_path)), **TEST_ENV,
-             "ROLLOUT_SIDECAR_PEERS": ",".join(s.url for s in servers),
-             "ROLLOUT_SIDECAR_FAILPOINTS": str(points)})
+             "ROLLOUT_SIDECAR_PEERS": ",".join(s.url for s in servers)}, failpoints=points)
     outcome: dict = {}
     try:
         def timeline() -> dict:

@@ -22,11 +22,12 @@ def doctor(tmp_path, fault: str = "") -> subprocess.CompletedProcess:
     tmp_path.mkdir(parents=True, exist_ok=True)
     failpoints = tmp_path / "fault"
     failpoints.write_text(fault)
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", ROLLOUT_SIDECAR_FAILPOINTS=str(failpoints),
+    env = dict(os.environ, PYTHONFAULTHANDLER="1",
                ROLLOUT_SIDECAR_CACHE_DIR=os.environ.get("ROLLOUT_SIDECAR_TEST_CACHE",
                                                         str(tmp_path / "cache")))
     proc = subprocess.Popen([sys.executable, "-m", "rollout_sidecar.server.cli", "doctor",
-                             "--dtype", "float32", "--max-model-len", "512"], env=env,
+                             "--dtype", "float32", "--max-model-len", "512",
+                             "--failpoints", str(failpoints)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=DEADLINE_S)

@@ -13,6 +13,10 @@ SkyRL is installed apart, tests/integrations/frameworks.txt).
    the deltas and drives the server's fetch, start, update and finish; the
    served logprobs must then be a transformers forward of the policy's
    weights rounded to the checkpoint's dtype (the bytes SkyRL ships).
+   Then SkyRL's trainer restarts (a new engine and client: its init call
+   again, while the server serves version 2) and changes one tensor only:
+   the served weights must be version 2's with that change, not the
+   checkpoint's (a base read back from disk reverted every other tensor).
 3. Refusals: an update out of order (409), SkyRL's NCCL transfer (501).
 
 Writes what it saw to --out.
@@ -118,6 +122,27 @@ def delta_sync(url: str, model: str, work: str) -> list[dict]:
         gap, scored, version = served_gap(url, policy, model)
         rounds.append(dict(step=step, served_version=version, fp32_gap_max=gap,
                            scored=scored))
+    client.close()
+    # SkyRL's init again while version 2 serves, the publisher's state kept
+    # (version 2's bytes), then a delta touching one tensor.
+    publisher = engine._publisher
+    client = SkyrlWeightSyncClient([url], 1)
+    engine = DeltaTrainerWeightTransferEngine.trainer_init(info, client=client,
+                                                           source=ModuleSource(policy))
+    engine._publisher = publisher
+    with torch.no_grad():
+        policy.model.norm.weight.mul_(1.5)
+    engine.send_weights()
+    gap, scored, version = served_gap(url, policy, model)
+    rounds.append(dict(step="reinit", served_version=version, fp32_gap_max=gap, scored=scored))
+    # A publisher that starts over: version 1 again, against the checkpoint.
+    engine = DeltaTrainerWeightTransferEngine.trainer_init(info, client=client,
+                                                           source=ModuleSource(policy))
+    try:
+        engine.send_weights()
+        rounds.append(dict(step="over", refused=None))
+    except Exception as e:  # noqa: BLE001 - what SkyRL's trainer sees
+        rounds.append(dict(step="over", refused=str(e)))
     client.close()
     return rounds
 

@@ -19,9 +19,10 @@ import torch
 
 from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
 from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
+from rollout_sidecar.protocol.schema.weights_api import SLOT_ALIGN
 from rollout_sidecar.trainer.gather.full_tensors import ParamInfo
 
-ALIGN = 64  # bytes; keeps every tensor view aligned for any dtype
+ALIGN = SLOT_ALIGN  # bytes; keeps every tensor view aligned for any dtype
 
 
 def wire_dtype(source: torch.dtype, serve_dtype: torch.dtype) -> torch.dtype:

@@ -43,7 +43,7 @@ from rollout_sidecar.protocol.data_plane.signed_store import (
     abort_connection,
     delete_connection_keys,
 )
-from rollout_sidecar.protocol.schema import CHAIN_RING
+from rollout_sidecar.protocol.schema import CHAIN_RING, REQUIRES_BUCKET_MACS
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
@@ -102,7 +102,8 @@ class DistributedTransport:
         self.group: Any = None
         self.connection_id: str | None = None
         self._secret: bytes | None = None  # this connection's; never logged
-        self.authenticate_buckets = authenticate_buckets
+        self.authenticate_buckets = authenticate_buckets  # asked for by the user
+        self._tagged = False  # this connection's buckets carry tags (asked or required)
         self.bucket_macs: PushMacs | None = None  # this push's tags (start_push)
         # Joins given up on (failed connects) and their outcomes: `close` waits for them.
         self._abandoned: list[tuple[threading.Thread, dict[str, Any]]] = []
@@ -177,7 +178,9 @@ class DistributedTransport:
             senders=senders, rank_offsets=tuple(offsets), fanout=fanout, join_s=d.join_s,
             ring_starts=tuple(offsets) if ring else None,
             op_s=d.group_timeout_s,
-            authenticate_buckets=self.authenticate_buckets,
+            # Asked for, or required by a replica (`serve --require-bucket-macs`).
+            authenticate_buckets=self.authenticate_buckets or any(
+                REQUIRES_BUCKET_MACS in getattr(s, "requires", ()) for s in statuses),
             # Per connection, over the admin-authenticated control plane only:
             # signs the rendezvous and keys each bucket's tag (bucket_mac.py).
             secret=new_secret())
@@ -190,6 +193,7 @@ class DistributedTransport:
         r = rendezvous
         conn_id = self.connection_id = r.connection_id
         secret = self._secret = r.secret
+        self._tagged = r.authenticate_buckets
         self.fanout, self.senders, self.ring_starts = r.fanout, r.senders, r.ring_starts
         offsets = r.rank_offsets
         store_host, store_port = r.store_host, r.store_port
@@ -218,7 +222,7 @@ class DistributedTransport:
                 conn_id, self.backend, r.join_s, self.takeover, self.lease_wait_s,
                 op_timeout_s=r.op_s, trainer_id=self.trainer_id, world_size=r.world_size,
                 rank_offset=offsets[i], store=None if i == 0 else (store_host, store_port),
-                fanout=r.fanout, secret=secret, bucket_macs=self.authenticate_buckets,
+                fanout=r.fanout, secret=secret, bucket_macs=r.authenticate_buckets,
                 senders=r.senders, ring_starts=r.ring_starts), "connect")
         except WeightPushError as e:
             self._end_rendezvous(joining, out, store_host, store_port, conn_id, secret, e)
@@ -271,7 +275,7 @@ class DistributedTransport:
     def start_push(self, version: int) -> None:
         """A push of `version` begins: rank 0 tags its buckets with the
         connection's secret (the sender adds them, the prepare carries them)."""
-        if self.authenticate_buckets and self._secret is not None and self.connection_id:
+        if self._tagged and self._secret is not None and self.connection_id:
             self.bucket_macs = PushMacs(self._secret, self.connection_id, version)
         else:
             self.bucket_macs = None

@@ -81,6 +81,10 @@ Public named templates, each rendering YAML list items; call them with this char
     - name: ROLLOUT_SIDECAR_PEERS
       value: {{ printf "dns+http://%s:%d" (include "rollout-sidecar.headlessName" $ctx) (int $s.port) | quote }}
     {{- end }}
+    - name: ROLLOUT_SIDECAR_REQUIRE_DATA_PLANE_SECRET
+      value: {{ $v.dataPlane.requireSecret | quote }}
+    - name: ROLLOUT_SIDECAR_REQUIRE_BUCKET_MACS
+      value: {{ $v.dataPlane.requireBucketMacs | quote }}
     {{- include "rollout-sidecar.tokenEnv" $ctx | nindent 4 }}
     {{- range $name, $value := $s.engineEnv }}
     - name: {{ $name }}

@@ -78,7 +78,8 @@ class HttpStage:
     staging_device = HOST
 
     @staticmethod
-    def stage(buckets: list[StagedBucket], bucket: int | None, data: bytes | None) -> None:
+    def stage(buckets: list[StagedBucket], bucket: int | None,
+              data: bytes | bytearray | None) -> None:
         """Copy one bucket's bytes in; a re-sent bucket replaces the old bytes."""
         if bucket is None or data is None:
             raise ValueError("stage needs bucket and data")
@@ -87,7 +88,9 @@ class HttpStage:
         b = buckets[bucket]
         if len(data) != b.nbytes:
             raise ValueError(f"bucket {bucket}: {len(data)} bytes, expected {b.nbytes}")
-        b.buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        # A bytearray is read in place (frombuffer wants a writable buffer).
+        writable = data if isinstance(data, bytearray) else bytearray(data)
+        b.buffer.copy_(torch.frombuffer(writable, dtype=torch.uint8))
         b.received = True
         b.checksum = None  # recomputed at the check
         b.mac = None

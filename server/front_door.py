@@ -1,0 +1,146 @@
+"""Every request passes here before the app reads a byte of its body: drain,
+find the route, authenticate, bound the body; then measure it. Plain ASGI
+middleware.
+
+Why here and not in FastAPI's dependencies: FastAPI reads and parses a body
+before a route's dependencies run, so a 256 MiB body with no token was read
+and parsed before its 401 (the API process grew 1.5 GiB and /health stalled
+for seconds). Here the Authorization header is checked first and the body
+is counted as it arrives: over its route's limit it is a 413, from the
+Content-Length before anything is read, or from the byte that crosses it.
+
+Not Starlette's `BaseHTTPMiddleware`: that one wraps the receive channel, so
+an endpoint never sees `http.disconnect` and could not cancel the work of a
+client that went away (generate/router.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import HTTPException
+from fastapi.routing import APIRoute
+from starlette.routing import Match
+
+from rollout_sidecar.server.auth import Access, authorize, route_access
+
+# Probes and scrapes keep answering while draining; everything else gets 503.
+ALWAYS_OPEN = {"/health", "/ready", "/metrics"}
+# Routes that bound their own body (the bucket route: its manifest entry's
+# size, weights/router.py), and routes whose body is tiny by contract.
+OWN_LIMIT = {"/weights/bucket/{index}"}
+SMALL_BODY = 4096
+SMALL = {"/weights/peer/challenge"}
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int, setting: str = "max_request_bytes") -> None:
+        super().__init__(413, f"request body over {limit} bytes (the server's {setting})")
+
+
+def route_of(routes: list[Any], scope: dict) -> Any | None:
+    """The route that serves `scope` (a full match: path and method), else None."""
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return route
+    return None
+
+
+def body_limit(route: Any, default: int) -> int | None:
+    """The most bytes a request body may carry on `route` (None: the route
+    bounds its own)."""
+    path = getattr(route, "path", None)
+    if path in OWN_LIMIT:
+        return None
+    if path in SMALL or not isinstance(route, APIRoute):
+        return SMALL_BODY
+    return default
+
+
+class FrontDoor:
+    def __init__(self, app: Any, state: Any, routes: list[Any]) -> None:
+        self.app = app
+        self.state = state  # the FastAPI app's state: settings, draining flag, metrics
+        self.routes = routes  # the app's own route table (app.router.routes)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self.state.draining and path not in ALWAYS_OPEN:
+            return await _answer(send, 503, "server is shutting down", {"retry-after": "5"})
+        route = route_of(self.routes, scope)
+        label = route.path if route is not None else "other"
+        metrics = self.state.metrics
+        status = {"code": 500}
+
+        async def send_and_note(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        t0 = time.perf_counter()
+        try:
+            refused = self._refusal(route, scope)
+            if refused is not None:
+                status["code"] = refused.status_code
+                return await _answer(send, refused.status_code, str(refused.detail),
+                                     refused.headers)
+            limit = body_limit(route, self.state.settings.max_request_bytes)
+            await self.app(scope, receive if limit is None else _bounded(receive, limit),
+                           send_and_note)
+        finally:  # counted even when the app raised (Starlette answers 500)
+            metrics.latency.labels(label).observe(time.perf_counter() - t0)
+            metrics.requests.labels(label, str(status["code"])).inc()
+
+    def _refusal(self, route: Any, scope: dict) -> HTTPException | None:
+        """The 401/403/413 this request gets before its body is read, if any."""
+        if route is None:  # a 404 or 405 reads no body
+            return None
+        access = route_access(route) if isinstance(route, APIRoute) else Access.OPEN
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", [])}
+        try:
+            authorize(access or Access.ADMIN, headers, self.state.settings,
+                      getattr(self.state, "peer_answerer", None), scope["method"],
+                      scope["path"])
+        except HTTPException as e:
+            return e
+        limit = body_limit(route, self.state.settings.max_request_bytes)
+        try:
+            declared = int(headers.get("content-length", "0"))
+        except ValueError:
+            return HTTPException(400, "Content-Length is not a number")
+        if limit is not None and declared > limit:
+            return BodyTooLarge(limit)
+        return None
+
+
+def _bounded(receive: Any, limit: int) -> Any:
+    """`receive`, refusing the body once more than `limit` bytes came
+    (a chunked body, or one longer than it said)."""
+    seen = 0
+
+    async def receive_bounded() -> dict:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise BodyTooLarge(limit)
+        return message
+
+    return receive_bounded
+
+
+async def _answer(send: Any, code: int, error: str, headers: dict[str, str] | None = None
+                  ) -> None:
+    body = json.dumps({"error": error, "field": None, "detail": None}).encode()
+    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": code, "headers": [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()), *extra]})
+    await send({"type": "http.response.body", "body": body})
