@@ -29,15 +29,18 @@ from rollout_sidecar.server.auth import Access, authorize, route_access
 # Probes and scrapes keep answering while draining; everything else gets 503.
 ALWAYS_OPEN = {"/health", "/ready", "/metrics"}
 # Routes that bound their own body (the bucket route: its manifest entry's
-# size, weights/router.py), and routes whose body is tiny by contract.
+# size, weights/router.py). Open routes take a small one at most (probes
+# send none; the peer challenge, a nonce): no credential buys a large read.
 OWN_LIMIT = {"/weights/bucket/{index}"}
 SMALL_BODY = 4096
-SMALL = {"/weights/peer/challenge"}
 
 
 class BodyTooLarge(HTTPException):
+    """413; the connection closes after it, so the rest is never read."""
+
     def __init__(self, limit: int, setting: str = "max_request_bytes") -> None:
-        super().__init__(413, f"request body over {limit} bytes (the server's {setting})")
+        super().__init__(413, f"request body over {limit} bytes (the server's {setting})",
+                         headers={"connection": "close"})
 
 
 def route_of(routes: list[Any], scope: dict) -> Any | None:
@@ -52,10 +55,9 @@ def route_of(routes: list[Any], scope: dict) -> Any | None:
 def body_limit(route: Any, default: int) -> int | None:
     """The most bytes a request body may carry on `route` (None: the route
     bounds its own)."""
-    path = getattr(route, "path", None)
-    if path in OWN_LIMIT:
+    if getattr(route, "path", None) in OWN_LIMIT:
         return None
-    if path in SMALL or not isinstance(route, APIRoute):
+    if not isinstance(route, APIRoute) or route_access(route) is Access.OPEN:
         return SMALL_BODY
     return default
 
@@ -65,6 +67,8 @@ class FrontDoor:
         self.app = app
         self.state = state  # the FastAPI app's state: settings, draining flag, metrics
         self.routes = routes  # the app's own route table (app.router.routes)
+        # id(route) -> (its access, its body limit): read off the route once.
+        self._rules: dict[int, tuple[Access, int | None]] = {}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -84,32 +88,39 @@ class FrontDoor:
 
         t0 = time.perf_counter()
         try:
-            refused = self._refusal(route, scope)
-            if refused is not None:
-                status["code"] = refused.status_code
-                return await _answer(send, refused.status_code, str(refused.detail),
-                                     refused.headers)
-            limit = body_limit(route, self.state.settings.max_request_bytes)
+            limit: int | None = None
+            if route is not None:  # a 404 or 405 reads no body
+                access, limit = self._rules_of(route)
+                refused = self._refusal(access, limit, scope)
+                if refused is not None:
+                    status["code"] = refused.status_code
+                    return await _answer(send, refused.status_code, str(refused.detail),
+                                         refused.headers)
             await self.app(scope, receive if limit is None else _bounded(receive, limit),
                            send_and_note)
         finally:  # counted even when the app raised (Starlette answers 500)
             metrics.latency.labels(label).observe(time.perf_counter() - t0)
             metrics.requests.labels(label, str(status["code"])).inc()
 
-    def _refusal(self, route: Any, scope: dict) -> HTTPException | None:
+    def _rules_of(self, route: Any) -> tuple[Access, int | None]:
+        rules = self._rules.get(id(route))
+        if rules is None:  # undeclared: closed, as an admin route
+            access = (route_access(route) or Access.ADMIN) if isinstance(route, APIRoute) \
+                else Access.OPEN
+            rules = self._rules[id(route)] = (
+                access, body_limit(route, self.state.settings.max_request_bytes))
+        return rules
+
+    def _refusal(self, access: Access, limit: int | None, scope: dict) -> HTTPException | None:
         """The 401/403/413 this request gets before its body is read, if any."""
-        if route is None:  # a 404 or 405 reads no body
-            return None
-        access = route_access(route) if isinstance(route, APIRoute) else Access.OPEN
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", [])}
         try:
-            authorize(access or Access.ADMIN, headers, self.state.settings,
+            authorize(access, headers, self.state.settings,
                       getattr(self.state, "peer_answerer", None), scope["method"],
                       scope["path"])
         except HTTPException as e:
             return e
-        limit = body_limit(route, self.state.settings.max_request_bytes)
         try:
             declared = int(headers.get("content-length", "0"))
         except ValueError:
@@ -138,9 +149,11 @@ def _bounded(receive: Any, limit: int) -> Any:
 
 async def _answer(send: Any, code: int, error: str, headers: dict[str, str] | None = None
                   ) -> None:
+    """A refusal before the body was read. `Connection: close`: the unread
+    body is still on the connection, so the client must not reuse it."""
     body = json.dumps({"error": error, "field": None, "detail": None}).encode()
     extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": code, "headers": [
-        (b"content-type", b"application/json"),
+        (b"content-type", b"application/json"), (b"connection", b"close"),
         (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body})

@@ -153,13 +153,19 @@ async def _serve(body: Any, request: Request,
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
     """The body as vLLM's request model. Parsed here, not in the signature,
-    so that importing the app does not import vLLM (it loads at startup)."""
+    so that importing the app does not import vLLM (it loads at startup).
+    vLLM's own validators raise its `VLLMValidationError` (not pydantic's):
+    a 400 naming the parameter, not a 500."""
+    from vllm.exceptions import VLLMError
+
     try:
         data = json.loads(await request.body())
     except ValueError as e:
         raise BadRequest(f"body is not JSON: {e}", None) from e
     try:
         return model.model_validate(data)
+    except VLLMError as e:
+        raise BadRequest(str(e), getattr(e, "parameter", None)) from e
     except ValidationError as e:
         # Drop pydantic's wrapper markers from `loc` (they name no field).
         raise RequestValidationError([

@@ -419,6 +419,22 @@ def test_network_policy_admits_trainers_and_peers_to_data_plane_only(
                              *net.get("httpClients", [])]
 
 
+def test_the_servers_require_a_secret_and_bucket_tags_unless_told_not_to(render) -> None:
+    """Every trainer of the chart is a WeightPusher (a secret at each connect,
+    buckets tagged for servers that require it): the servers refuse others."""
+    from rollout_sidecar.server.config import ServerSettings
+
+    for mode in ({}, {"mode": "sidecar", "job": {"trainer": {"command": ["python", "t.py"]}}}):
+        env = {e["name"]: e.get("value") for e in server_container(render(**mode))["env"]}
+        required = ServerSettings(
+            require_data_plane_secret=env["ROLLOUT_SIDECAR_REQUIRE_DATA_PLANE_SECRET"],
+            require_bucket_macs=env["ROLLOUT_SIDECAR_REQUIRE_BUCKET_MACS"])
+        assert required.require_data_plane_secret and required.require_bucket_macs, env
+    off = render(dataPlane={"requireSecret": False, "requireBucketMacs": False})
+    env = {e["name"]: e.get("value") for e in server_container(off)["env"]}
+    assert env["ROLLOUT_SIDECAR_REQUIRE_BUCKET_MACS"] == "false"
+
+
 def test_a_starting_replica_catches_up_from_its_peers_in_service_mode_only(
         render, ci_values) -> None:
     env = {e["name"]: e.get("value") for e in server_container(render())["env"]}
