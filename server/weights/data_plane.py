@@ -186,7 +186,7 @@ class DataPlane:
         timeout = min(req.timeout_s, self.settings.connect_timeout_max_s)
         # The store takes connections (ours, the trainer's, other replicas')
         # only while this connect runs (store_gate.py).
-        with self.gate.window():
+        with self.gate.window(req.connection_id):
             self.owner = None
             await self.side(SideOp.CONNECT, dict(
                 store_host=req.store_host or self.worker_store_host,

@@ -291,21 +291,37 @@ def _data_plane_store(server):
                          timeout=datetime.timedelta(seconds=10))
 
 
+def _store_at_next_connect(server) -> tuple[threading.Thread, list]:
+    """A store client opened now, which the server's store gate holds until
+    the next connect opens the store (store_gate.py: a rogue gets in only
+    then); the list gets the client once it is in."""
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(_data_plane_store(server)),
+                              daemon=True)
+    thread.start()
+    return thread, box
+
+
 def test_a_rogue_on_the_data_plane_port_is_named_and_keys_do_not_pile_up(reliable, trainer):
-    """Someone who overwrites every rendezvous key while a push connects: the
-    push retries under fresh ids and secrets and either gets through or fails
-    naming the tampering, never std::bad_alloc; the old version serves; then
-    clean pushes (each reconnecting) leave the store's key count flat."""
+    """Someone who overwrites every rendezvous key while a push connects (the
+    only time the store takes a connection): the push retries under fresh
+    ids and secrets, which cuts the rogue off, and either gets through or
+    fails naming the tampering, never std::bad_alloc; the old version serves;
+    then clean pushes (each reconnecting) leave the store's key count flat."""
     from rollout_sidecar.protocol.data_plane.signed_store import TAMPERED
 
-    rogue, stop, hits = _data_plane_store(reliable), threading.Event(), []
+    stop, hits = threading.Event(), []
 
     def overwrite() -> None:
+        rogue = _data_plane_store(reliable)  # held until the push's connect opens the store
         while not stop.is_set():
-            for k in rogue.list_keys():
-                if k.startswith("rs/") and not k.endswith("/abort"):
-                    rogue.set(k, b"garbage")
-                    hits.append(k)
+            try:
+                for k in rogue.list_keys():
+                    if k.startswith("rs/") and not k.endswith("/abort"):
+                        rogue.set(k, b"garbage")
+                        hits.append(k)
+            except Exception:  # noqa: BLE001 - a new connect closed it: the rogue is out
+                return
             time.sleep(0.002)
 
     v = served_version(reliable)
@@ -321,18 +337,20 @@ def test_a_rogue_on_the_data_plane_port_is_named_and_keys_do_not_pile_up(reliabl
             assert served_version(reliable) == v
     finally:
         stop.set()
-        thread.join(10)
+        thread.join(30)
     assert hits, "the rogue never saw a rendezvous key"
     keys_after = []
     for _ in range(3):
         trainer.pusher.transport.close()  # a new connection (and rendezvous) per push
+        joining, observer = _store_at_next_connect(reliable)
         assert push_next(reliable, trainer, probe=False).version == v + 1
         v += 1
-        keys_after.append(set(rogue.list_keys()))
-    # Clean pushes leave no key behind. What stays is what the rogue wrote
-    # after a failed try's keys were deleted (its list, then its set,
-    # re-creates one): only keys it wrote, however many, none of ours.
-    assert keys_after[0] == keys_after[-1] <= set(hits), (keys_after, set(hits))
+        joining.join(30)
+        keys_after.append(set(observer[0].list_keys()))
+    # Clean pushes leave no key behind, and the gate sweeps whatever a failed
+    # try left (its marker, the rogue's keys) once its connect ended: what a
+    # push's observer sees is only keys it wrote, none of ours, never more.
+    assert keys_after[-1] <= keys_after[0] <= set(hits), (keys_after, set(hits))
     assert_settled(reliable, v)
 
 
