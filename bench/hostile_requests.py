@@ -185,10 +185,12 @@ def huge_integers(t: Target) -> Outcome:
 
 
 def vllm_rejects(t: Target) -> Outcome:
-    o = Outcome("/v1/completions and /inference/v1/generate with what vLLM rejects", "")
+    o = Outcome("/v1/completions ({}, an empty prompt, max_tokens 2**64) and "
+                "/inference/v1/generate with what vLLM rejects", "")
     codes = []
     with watched(t, o):
         for path, body in [("/v1/completions", {}), ("/v1/completions", {"prompt": ""}),
+                           ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64}),
                            ("/inference/v1/generate", {"token_ids": []})]:
             codes.append(httpx.post(t.url + path, headers=t.api(), json=body,
                                     timeout=60).status_code)

@@ -42,6 +42,10 @@ def test_workers_on_another_host_get_an_address_they_can_route_to():
     assert ra.store_host("0.0.0.0", spread, settings(data_plane_advertise_host="10.9.9.9"),
                          here=HERE) == "10.9.9.9"
     assert ra.store_host("10.1.0.7", spread, settings(), here=HERE) == "10.1.0.7"
+    # Said outright, the advertised address wins over a bound one (a NAT, a proxy):
+    # before, --data-plane-host naming an address silently ignored it.
+    assert ra.store_host("10.1.0.7", spread, settings(data_plane_advertise_host="10.9.9.9"),
+                         here=HERE) == "10.9.9.9"
 
 
 def test_ray_workers_get_vllms_own_routable_address(monkeypatch):

@@ -58,6 +58,8 @@ def test_an_engine_over_two_hosts_takes_a_push_and_serves_it_exactly(tmp_path):
                   "ROLLOUT_SIDECAR_MASTER_ADDR": ips["n0"],
                   "ROLLOUT_SIDECAR_MASTER_PORT": str(free_port()),
                   "ROLLOUT_SIDECAR_KV_CACHE_GIB": "0.25", "GLOO_SOCKET_IFNAME": "eth0",
+                  # node 1 ends 10 s after node 0 (the default rides out a minute's blip)
+                  "ROLLOUT_SIDECAR_HEAD_GONE_S": "10",
                   "ROLLOUT_SIDECAR_CACHE_DIR": str(tmp_path / "cache")}
         headless = [*exec_prefix("n1"), *_private_shm([
             sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--headless",

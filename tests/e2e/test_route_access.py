@@ -69,3 +69,9 @@ def test_a_large_body_is_refused_from_its_headers_alone(server, path, token, sta
                      f"application/json\r\nContent-Length: {256 << 20}\r\n\r\n".encode())
         head = sock.recv(4096).decode(errors="replace")
     assert head.startswith(f"HTTP/1.1 {status} "), head
+
+
+def test_the_open_metrics_do_not_show_the_model_path_info_keeps_behind_a_token(server):
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert "vllm:" in metrics and str(server.model_path) not in metrics
+    assert f'model_name="{server.model_path.name}"' in metrics
