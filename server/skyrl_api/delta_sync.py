@@ -34,6 +34,7 @@ one bucket at an update.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -115,8 +116,6 @@ class DeltaSync:
 
     async def init(self, svc: WeightService) -> str:
         """The base of the served version (served_base.py); what it came from."""
-        import asyncio
-
         _codecs()
         served = svc.engine.gate.version
         self.staged_version, self.started, self.staged = None, False, {}

@@ -134,6 +134,18 @@ class DataPlane:
         return [name for name, on in ((REQUIRES_SECRET, s.require_data_plane_secret),
                                       (REQUIRES_BUCKET_MACS, s.require_bucket_macs)) if on]
 
+    def _check_requirements(self, req: ConnectRequest) -> None:
+        """A connect without what this server requires: 400 naming the field."""
+        required = self.requires()
+        if req.secret is None and required:
+            raise BadRequest("secret: this server takes no connect without a data-plane "
+                             f"secret (it requires {', '.join(required)}); WeightPusher sends "
+                             "one", "secret")
+        if not req.bucket_macs and REQUIRES_BUCKET_MACS in required:
+            raise BadRequest("bucket_macs: this server requires every bucket tagged with the "
+                             "connection's secret (require_bucket_macs); WeightPusher tags "
+                             "them for servers that say so in /weights/status", "bucket_macs")
+
     async def connect(self, req: ConnectRequest,
                       gone: Callable[[], Awaitable[bool]] | None = None) -> ConnectResponse:
         """Called with the push lock held, and no push in progress. The wait for
@@ -146,15 +158,7 @@ class DataPlane:
             transport(req.backend).check_fanout(req.fanout)
         except ValueError as e:
             raise BadRequest(str(e), "fanout") from None
-        if req.secret is None and (self.settings.require_data_plane_secret
-                                   or self.settings.require_bucket_macs):
-            raise BadRequest("secret: this server takes no connect without a data-plane "
-                             "secret (require_data_plane_secret); WeightPusher sends one",
-                             "secret")
-        if not req.bucket_macs and self.settings.require_bucket_macs:
-            raise BadRequest("bucket_macs: this server requires every bucket tagged with the "
-                             "connection's secret (require_bucket_macs); WeightPusher tags "
-                             "them for servers that say so in /weights/status", "bucket_macs")
+        self._check_requirements(req)
         if req.senders > 1 and req.fanout != "chain":
             raise BadRequest(f"senders {req.senders}: several trainer ranks send point to point, "
                              "down a chain (fanout chain); a broadcast would carry every "

@@ -20,12 +20,12 @@ import contextlib
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 import torch
 
+from bench.rogue_peer import RogueStub
 from rollout_sidecar.server.launcher import launch_server
 from tests.conftest import start_server, stop_server
 from tests.polling import until
@@ -57,34 +57,6 @@ def reference_logprobs(model) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
 
 
-class RoguePeer(BaseHTTPRequestHandler):
-    """Answers as a peer would, with weights nobody trained (version 10^12),
-    and without the admin token: its challenge proof is made up. Records
-    every header it is sent."""
-
-    seen: list[dict] = []
-
-    def _answer(self, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        RoguePeer.seen.append(dict(self.headers))
-        self.rfile.read(int(self.headers.get("content-length", 0)))
-        self._answer({"nonce": "ab" * 32, "proof": "00" * 32})
-
-    def do_GET(self) -> None:  # noqa: N802
-        RoguePeer.seen.append(dict(self.headers))
-        self._answer({"weight_version": 10**12, "delta_base": 10**12})
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 def step(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -114,15 +86,16 @@ def test_a_late_replica_serves_the_fleets_version_before_it_is_ready(tmp_path):
                 assert pusher.push(model, version=v).version == v
         assert status(a)["weight_version"] == status(b)["weight_version"] == 5
 
-        rogue = ThreadingHTTPServer(("127.0.0.1", 0), RoguePeer)
-        threading.Thread(target=rogue.serve_forever, daemon=True).start()
-        rogue_url = f"http://127.0.0.1:{rogue.server_address[1]}"
+        # Listed first: a stub serving zeros as version 10^12, without the token.
+        index = httpx.get(a.url + "/weights/index", timeout=30,
+                          headers={"Authorization": f"Bearer {a.admin_token}"}).json()
+        rogue = RogueStub.serve(status(a), index)
         started = time.monotonic()
         try:
             c = start_server(tmp_path, "peer-c", dtype="float32", tokens_of=a, extra_env={
-                "ROLLOUT_SIDECAR_PEERS": f"{rogue_url},{a.url},{b.url}"})
+                "ROLLOUT_SIDECAR_PEERS": f"{rogue.url},{a.url},{b.url}"})
         finally:
-            rogue.shutdown()
+            rogue.close()
         servers.append(c)
         ready_s = time.monotonic() - started
         st = status(c)
@@ -130,8 +103,8 @@ def test_a_late_replica_serves_the_fleets_version_before_it_is_ready(tmp_path):
         timeline = st["catch_up"]
         assert timeline["outcome"] == "caught up" and timeline["version"] == 5, timeline
         assert timeline["peer"] in (a.url, b.url)
-        assert "did not prove it holds this fleet's admin token" in timeline["refused"][rogue_url]
-        assert RoguePeer.seen and not any(a.admin_token in json.dumps(h) for h in RoguePeer.seen)
+        assert "did not prove it holds this fleet's admin token" in timeline["refused"][rogue.url]
+        assert rogue.seen and not any(a.admin_token in json.dumps(h) for h in rogue.seen)
         print(f"\ncatch-up: start -> ready (serving v5) {ready_s:.1f}s; {timeline}")
         served = {s.url: prompt_logprobs(s) for s in servers}
         assert torch.equal(served[c.url], served[a.url]), (served[c.url] - served[a.url]).abs()
