@@ -405,11 +405,13 @@ SHARED: dict[str, Callable[[Target], Outcome]] = {
 # ------------------------------------------------- requests with their own server
 
 
-def start(tmp: Path, name: str, env: dict[str, str], wait: bool = True):  # noqa: ANN201
+def start(tmp: Path, name: str, env: dict[str, str], wait: bool = True,
+          model: Path | None = None):  # noqa: ANN201
     """A server from the launcher (tokens drawn), fp32, a small KV cache."""
     from rollout_sidecar.server.launcher import launch_server
 
     return launch_server(log=tmp / f"{name}.log", dtype="float32", max_model_len=512,
+                         model=model,
                          env={"ROLLOUT_SIDECAR_CACHE_DIR": str(tmp / "cache"),
                               "ROLLOUT_SIDECAR_KV_CACHE_GIB": "0.25", **env}, wait=wait)
 
@@ -507,13 +509,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="comma-separated scenario names")
     ap.add_argument("--json", default=None, help="write the rows here too")
+    ap.add_argument("--size", default="default", choices=["default", "100m"],
+                    help="the shared server's model: the embedded default, or bench/push.py's "
+                    "100M Llama (bf16 on disk, served fp32: SkyRL's update memory shows)")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     tmp = Path(tempfile.mkdtemp(prefix="hostile-"))
     rows: list[Outcome] = []
     sync_root = tmp / "store"
     sync_root.mkdir()
-    s = start(tmp, "shared", {"ROLLOUT_SIDECAR_WEIGHT_SYNC_ROOT": str(sync_root)})
+    model = None
+    if args.size == "100m":
+        from bench._common import build_llama
+
+        model = build_llama(1024, 2816, 8)  # bench/push.py's 100m
+    s = start(tmp, "shared", {"ROLLOUT_SIDECAR_WEIGHT_SYNC_ROOT": str(sync_root)}, model=model)
     t = Target(s.url, s.port, s.data_plane_port, s.api_token, s.admin_token, s.proc.pid,
                sync_root)
     try:
