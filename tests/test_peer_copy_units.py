@@ -25,6 +25,11 @@ TOKEN = "fleet-admin-token-01"
 PATH = "/weights/staged/0"
 
 
+def streamed(body: object) -> httpx.Response:
+    """A JSON answer as a network peer sends it: a stream, read as it comes."""
+    return httpx.Response(200, stream=httpx.ByteStream(json.dumps(body).encode()))
+
+
 def peer(body: bytes, tag: str | None = "good", headers: dict | None = None) -> httpx.MockTransport:
     """A peer holding the token that answers the challenge, then `PATH`
     with `body`, tagged right (`good`), wrong, or not at all."""
@@ -32,8 +37,7 @@ def peer(body: bytes, tag: str | None = "good", headers: dict | None = None) -> 
 
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path.endswith("/challenge"):
-            nonce = json.loads(request.content)["nonce"]
-            return httpx.Response(200, json=answerer.challenge(nonce))
+            return streamed(answerer.challenge(json.loads(request.content)["nonce"]))
         scheme, _, credential = request.headers["authorization"].partition(" ")
         assert scheme == "Peer" and answerer.verify(credential, "GET", PATH)
         sealed = answerer.seal(credential, PATH, body) if tag == "good" else (
@@ -72,12 +76,22 @@ def test_a_bucket_that_is_not_what_was_promised_is_refused(body, tag, headers, w
 
 def test_a_peer_without_the_token_is_refused_at_the_challenge():
     impostor = PeerAnswerer("another-fleets-token")
-    transport = httpx.MockTransport(lambda r: httpx.Response(200, json=impostor.challenge(
-        "00" * 32)))
+    transport = httpx.MockTransport(lambda r: streamed(impostor.challenge("00" * 32)))
 
     async def main() -> None:
         async with httpx.AsyncClient(transport=transport) as http:
             await PeerSession.open(http, "http://peer", TOKEN)
 
     with pytest.raises(PeerRefused, match="did not prove it holds"):
+        asyncio.run(main())
+
+
+def test_a_challenge_answer_too_large_is_refused_before_it_is_read_whole():
+    transport = httpx.MockTransport(lambda r: streamed({"nonce": "x" * 100_000}))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=transport) as http:
+            await PeerSession.open(http, "http://peer", TOKEN)
+
+    with pytest.raises(PeerRefused, match="a challenge answer over"):
         asyncio.run(main())

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 import time
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from collections import OrderedDict
 import httpx
 
 NONCE_BYTES = 32
+ANSWER_BYTES = 4096  # a challenge's answer is two hex strings
 SESSIONS = 64
 SESSION_TTL_S = 3600.0
 SCHEME = "Peer"
@@ -125,9 +127,18 @@ class PeerSession:
 
     @classmethod
     async def open(cls, http: httpx.AsyncClient, url: str, token: str) -> PeerSession:
+        """Challenge `url`; its answer is read up to `ANSWER_BYTES`, as sent."""
         nc = secrets.token_bytes(NONCE_BYTES)
-        r = await http.post(url + CHALLENGE_PATH, json={"nonce": nc.hex()})
-        answer = r.json() if r.status_code == 200 else {}
+        body = bytearray()
+        async with http.stream("POST", url + CHALLENGE_PATH, json={"nonce": nc.hex()}) as r:
+            async for chunk in r.aiter_raw():
+                body += chunk
+                if len(body) > ANSWER_BYTES:
+                    raise PeerRefused(f"{url}: a challenge answer over {ANSWER_BYTES} bytes")
+        try:
+            answer = json.loads(body) if r.status_code == 200 else {}
+        except ValueError:
+            answer = {}
         ns = _nonce(answer.get("nonce")) if isinstance(answer, dict) else None
         proof = answer.get("proof") if ns is not None else None
         if ns is None or not isinstance(proof, str) or not hmac.compare_digest(
