@@ -49,6 +49,7 @@ from rollout_sidecar.protocol.schema import (
     GenerateResponse,
     InfoResponse,
     SamplingConfig,
+    routes,
 )
 from rollout_sidecar.protocol.schema.endpoints import auth_headers
 
@@ -79,7 +80,8 @@ class _api:  # noqa: N801 - a namespace of job descriptions
                       min_weight_version=min_weight_version, max_version_lag=max_version_lag)
         # Absent, not null: the server refuses an explicit null prompt field.
         req = GenerateRequest(**{k: v for k, v in fields.items() if v is not None})
-        return Call("POST", "/generate", lambda r: GenerateResponse.model_validate(r.json()),
+        return Call(routes.GENERATE.method, routes.GENERATE.path,
+                    lambda r: GenerateResponse.model_validate(r.json()),
                     json=req.model_dump(exclude_none=True),
                     min_weight_version=min_weight_version, session_key=session_key)
 
@@ -98,7 +100,8 @@ class _api:  # noqa: N801 - a namespace of job descriptions
     def info() -> Call[InfoResponse]:
         """Model, dtype, max_model_len, served weight_version, boot id (of one
         replica: the least busy)."""
-        return Call("GET", "/info", lambda r: InfoResponse.model_validate(r.json()))
+        return Call(routes.INFO.method, routes.INFO.path,
+                    lambda r: InfoResponse.model_validate(r.json()))
 
     @staticmethod
     def wait_until_ready(timeout: float = 300.0, poll_s: float = 1.0,

@@ -11,6 +11,8 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from rollout_sidecar.protocol.schema import routes
+
 T = TypeVar("T")
 
 
@@ -27,7 +29,7 @@ class Watch:
 
     @property
     def ping_url(self) -> str:
-        return self.replica + "/health"
+        return self.replica + routes.HEALTH.path
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from rollout_sidecar.client.plan_steps import Plan, Resolve, Send, Sleep, Step, 
 from rollout_sidecar.client.replica_pool import ReplicaPool
 from rollout_sidecar.protocol.calls.failures import NEVER_SENT, RESET, STALLED
 from rollout_sidecar.protocol.calls.stall_watch import Silent
+from rollout_sidecar.protocol.schema import routes
 from rollout_sidecar.protocol.schema.generate_api import GenerateResponse
 
 T = TypeVar("T")
@@ -286,7 +287,8 @@ class ReadyCheck:
             ready = []
             for url in urls:
                 try:
-                    r = yield Send("GET", url + "/ready", kwargs={"timeout": READY_PROBE_TIMEOUT_S})
+                    r = yield Send("GET", url + routes.READY.path,
+                                   kwargs={"timeout": READY_PROBE_TIMEOUT_S})
                 except httpx.TransportError:
                     continue
                 if r.status_code == 200:
@@ -308,7 +310,7 @@ def learn_versions(pool: ReplicaPool, policy: RetryPolicy, timeouts: Timeouts,
     try goes to a replica that holds it rather than to one restarted at v0."""
     for url in pool.claim_version_check(min_version):
         try:
-            r = yield Send("GET", url + "/info", kwargs={"timeout": timeouts.ping_s})
+            r = yield Send("GET", url + routes.INFO.path, kwargs={"timeout": timeouts.ping_s})
         except httpx.TransportError as e:
             if isinstance(e, STALLED):
                 pool.mark_down(url, policy.stall_down_s, f"frozen: GET /info timed out ({e})")

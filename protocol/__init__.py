@@ -2,7 +2,8 @@
 client share, importing none of them.
 
 - `schema/` (pydantic, no torch, no httpx): every JSON type of the generation
-  API, the push control plane and adapters, and the endpoints' paths.
+  API, the push control plane and adapters, and the route table (every
+  route's method, path, access and types).
 - `data_plane/` (torch.distributed): the group that carries the buckets
   (gloo, or NCCL on a communicator of our own), its signed rendezvous, the
   bucket bytes' dtypes, CRC-32 and tags, and a delta's sparse patches. Both

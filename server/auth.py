@@ -6,10 +6,12 @@ reads it). A replica catching up from a peer proves it holds the admin token
 without sending it (weights/peer_auth.py): the peer routes take that proof
 or the admin token.
 
-Every route declares its `Access` with one of the dependencies below. The
-front door (front_door.py) reads that declaration off the app's routes and
-checks it before a byte of the body is read; the dependency checks again
-for an app served without it (unit tests). An empty credential never
+Every route's `Access` is its row in the shared route table
+(protocol/schema/routes.py); `serve(router, ROUTE)` declares the handler
+with the dependency below that checks it. The front door (front_door.py)
+reads that declaration off the app's routes and checks it before a byte of
+the body is read; the dependency checks again for an app served without it
+(unit tests). An empty credential never
 matches: an empty token is refused at start (config.py), and an empty
 Bearer or Basic password is a 401 whatever the server holds.
 """
@@ -19,22 +21,16 @@ from __future__ import annotations
 import base64
 import secrets
 from collections.abc import Callable, Mapping
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from fastapi import HTTPException, Request, status
+from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.routing import APIRoute
+
+from rollout_sidecar.protocol.schema.routes import Access, Route
 
 if TYPE_CHECKING:
     from rollout_sidecar.server.config import ServerSettings
     from rollout_sidecar.server.weights.peer_auth import PeerAnswerer
-
-
-class Access(str, Enum):
-    OPEN = "open"  # probes, scrapes, the peer challenge: no credential
-    API = "api"  # the generate token; open when the server has none
-    ADMIN = "admin"  # the admin token
-    PEER = "peer"  # the admin token, or a peer's proof that it holds it
 
 
 def credential(headers: Mapping[str, str]) -> tuple[str, str]:
@@ -124,3 +120,15 @@ def route_access(route: APIRoute) -> Access | None:
             return _DECLARED[dep.call]
         pending.extend(dep.dependencies)
     return None
+
+
+_CHECK = {access: check for check, access in _DECLARED.items()}
+
+
+def serve(router: APIRouter, route: Route) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The decorator of `route`'s handler: its method, path, access check,
+    answer model and schema listing, all off the route table."""
+    kw: dict[str, Any] = {} if route.response is None else {"response_model": route.response}
+    return router.api_route(route.path, methods=[route.method],
+                            dependencies=[Depends(_CHECK[route.access])],
+                            include_in_schema=route.in_schema, **kw)

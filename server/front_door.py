@@ -24,14 +24,15 @@ from fastapi import HTTPException
 from fastapi.routing import APIRoute
 from starlette.routing import Match
 
+from rollout_sidecar.protocol.schema import routes
 from rollout_sidecar.server.auth import Access, authorize, route_access
 
 # Probes and scrapes keep answering while draining; everything else gets 503.
-ALWAYS_OPEN = {"/health", "/ready", "/metrics"}
+ALWAYS_OPEN = {r.path for r in (routes.HEALTH, routes.READY, routes.METRICS)}
 # Routes that bound their own body (the bucket route: its manifest entry's
 # size, weights/router.py). Open routes take a small one at most (probes
 # send none; the peer challenge, a nonce): no credential buys a large read.
-OWN_LIMIT = {"/weights/bucket/{index}"}
+OWN_LIMIT = {routes.BUCKET.path}
 SMALL_BODY = 4096
 
 

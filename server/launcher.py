@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from rollout_sidecar.protocol.schema import routes
 from rollout_sidecar.protocol.schema.endpoints import auth_headers
 from rollout_sidecar.server.listeners import PortUnavailable, bind_port, port_of
 
@@ -77,7 +78,7 @@ class ServerProcess:
 
     def is_ready(self) -> bool:
         with contextlib.suppress(httpx.TransportError):
-            return httpx.get(self.url + "/ready", timeout=2).status_code == 200
+            return httpx.get(self.url + routes.READY.path, timeout=2).status_code == 200
         return False
 
     def check_alive(self) -> None:
@@ -101,7 +102,7 @@ class ServerProcess:
 
     def info(self) -> dict[str, Any]:
         """GET /info (model, dtype, weight_version, ...)."""
-        r = httpx.get(self.url + "/info", timeout=30, headers=auth_headers(self.api_token))
+        r = httpx.get(self.url + routes.INFO.path, timeout=30, headers=auth_headers(self.api_token))
         r.raise_for_status()
         return r.json()
 

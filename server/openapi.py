@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
-from rollout_sidecar.protocol.schema import ErrorResponse
+from rollout_sidecar.protocol.schema import ErrorResponse, routes
 from rollout_sidecar.server.auth import Access, route_access
 
 _WHY = {
@@ -27,9 +27,9 @@ _WHY = {
     "503": "Not ready: starting, shutting down (Retry-After), or the weights are unusable "
            "after a failed load until a push succeeds.",
 }
-_PROBES = {"/health", "/ready"}
-_ERRORS = {"/generate": ["400", "401", "409", "413", "422", "503"], "/info": ["401", "503"],
-           "/weights/peer/challenge": ["400", "413", "422"]}
+_PROBES = {routes.HEALTH.path, routes.READY.path}
+_ERRORS = {routes.GENERATE.path: ["400", "401", "409", "413", "422", "503"],
+           routes.INFO.path: ["401", "503"], routes.PEER_CHALLENGE.path: ["400", "413", "422"]}
 _ADMIN_ERRORS = ["400", "401", "403", "409", "413", "422", "503"]
 _SECURITY = {Access.API: [{"apiToken": []}, {}], Access.ADMIN: [{"adminToken": []}],
              Access.PEER: [{"adminToken": []}]}
@@ -72,7 +72,7 @@ def build(app: FastAPI) -> dict[str, Any]:
                 responses[code] = {"description": _WHY[code], "content": ref}
             if (security := _SECURITY.get(access.get(path))) is not None:  # type: ignore[arg-type]
                 op["security"] = security
-    schema["paths"]["/metrics"]["get"]["responses"]["200"] = {
+    schema["paths"][routes.METRICS.path]["get"]["responses"]["200"] = {
         "description": "Prometheus text exposition format.",
         "content": {"text/plain": {"schema": {"type": "string"}}}}
     return schema

@@ -1,7 +1,9 @@
-"""The app's own route table, as the tests walk it: every route the server
-serves, with the access it declares (server/auth.py) and a concrete request
-for it (path parameters filled in). Built from `create_app` without starting
-the engine, so a route added anywhere is in it."""
+"""The app's routes as it serves them, as the tests walk them: every route,
+with the access it declares (server/auth.py) and a concrete request for it
+(path parameters filled in). Built from `create_app` without starting the
+engine, so a route added anywhere is in it, whether or not the shared table
+(protocol/schema/routes.py) lists it: tests/test_route_table_units.py holds
+the two to each other."""
 
 from __future__ import annotations
 
@@ -10,13 +12,14 @@ from dataclasses import dataclass
 
 from fastapi.routing import APIRoute
 
+from rollout_sidecar.protocol.schema.routes import ROUTES
 from rollout_sidecar.server.auth import Access, route_access
 
+# FastAPI's own schema and docs pages: open, and not in the shared table.
+FASTAPI_PAGES = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 # Routes that take no credential, on purpose: probes, scrapes, the peer
-# challenge, FastAPI's own schema and docs pages. A route that is not here
-# must declare api, admin or peer access.
-OPEN = {"/health", "/ready", "/metrics", "/weights/peer/challenge", "/openapi.json", "/docs",
-        "/docs/oauth2-redirect", "/redoc"}
+# challenge (the table's open rows), and FastAPI's pages.
+OPEN = {r.path for r in ROUTES if r.access is Access.OPEN} | FASTAPI_PAGES
 
 
 @dataclass(frozen=True)

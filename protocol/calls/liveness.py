@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from rollout_sidecar.protocol.schema import routes
+
 log = logging.getLogger(__name__)
 
 # ping(url, timeout_s): returns if the replica answered anything; raises an
@@ -180,7 +182,7 @@ class ReplicaLiveness:
         self._last_ping = time.monotonic()
         self.pings += 1
         try:
-            self._ping(self.url + "/health", self.policy.timeout_s)
+            self._ping(self.url + routes.HEALTH.path, self.policy.timeout_s)
         except httpx.TransportError as e:
             if refused(e):  # draining or dead, not frozen: its requests end by themselves
                 log.debug("liveness ping of %s: connection refused (no verdict)", self.url)

@@ -1,7 +1,8 @@
 """The wire types (pydantic only: no torch, no httpx), re-exported here:
 `generate_api` (the generation API), `weights_api` (the push control plane),
 `adapter_api` (LoRA adapters), `fields` (shared field types), `endpoints`
-(every route's path and method)."""
+(the servers' URLs and the bearer header); `routes` (every route: method,
+path, access, request and answer types) is imported as a module."""
 
 from rollout_sidecar.protocol.schema.adapter_api import AdapterSpec, LoraStatus
 from rollout_sidecar.protocol.schema.drafter_api import (

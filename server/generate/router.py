@@ -7,11 +7,11 @@ import contextlib
 from collections.abc import Awaitable
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from rollout_sidecar.protocol.schema import GenerateRequest, GenerateResponse
-from rollout_sidecar.server.auth import require_api_token
+from rollout_sidecar.protocol.schema import GenerateRequest, routes
+from rollout_sidecar.server.auth import serve
 
 router = APIRouter()
 DISCONNECT_POLL_S = 0.5
@@ -36,7 +36,6 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         task.cancel()
 
 
-@router.post("/generate", response_model=GenerateResponse,
-             dependencies=[Depends(require_api_token)])
+@serve(router, routes.GENERATE)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     return await until_disconnected(request, request.app.state.generator.generate(body))

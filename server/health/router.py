@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Request
 
-from rollout_sidecar.protocol.schema import HealthResponse, InfoResponse
-from rollout_sidecar.server.auth import open_route, require_api_token
+from rollout_sidecar.protocol.schema import HealthResponse, InfoResponse, routes
+from rollout_sidecar.server.auth import serve
 from rollout_sidecar.server.weights.service import transports
 
 router = APIRouter()
@@ -21,7 +21,7 @@ router = APIRouter()
 HEALTH_TIMEOUT_S = 10.0
 
 
-@router.get("/health", response_model=HealthResponse, dependencies=[Depends(open_route)])
+@serve(router, routes.HEALTH)
 async def health(request: Request) -> HealthResponse:
     engine = request.app.state.engine
     if engine is None or engine.llm is None:
@@ -33,7 +33,7 @@ async def health(request: Request) -> HealthResponse:
     return HealthResponse(status="ok")
 
 
-@router.get("/ready", response_model=HealthResponse, dependencies=[Depends(open_route)])
+@serve(router, routes.READY)
 async def ready(request: Request) -> HealthResponse:
     state = request.app.state
     if state.draining:
@@ -48,7 +48,7 @@ async def ready(request: Request) -> HealthResponse:
     return HealthResponse(status="ok")
 
 
-@router.get("/info", response_model=InfoResponse, dependencies=[Depends(require_api_token)])
+@serve(router, routes.INFO)
 async def info(request: Request) -> InfoResponse:
     engine = request.app.state.engine
     if engine is None or engine.info is None:

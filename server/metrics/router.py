@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from rollout_sidecar.server.auth import open_route
+from rollout_sidecar.protocol.schema import routes
+from rollout_sidecar.server.auth import serve
 
 router = APIRouter()
 
 
-@router.get("/metrics", dependencies=[Depends(open_route)])
+@serve(router, routes.METRICS)
 async def metrics(request: Request) -> Response:
     m, engine = request.app.state.metrics, request.app.state.engine
     if engine is not None and engine.llm is not None:

@@ -23,18 +23,19 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from rollout_sidecar.server.auth import require_api_token
+from rollout_sidecar.protocol.schema import routes
+from rollout_sidecar.server.auth import serve
 from rollout_sidecar.server.errors import BadRequest, ServiceUnavailable
 from rollout_sidecar.server.generate.router import until_disconnected
 from rollout_sidecar.server.openai_api.compat import RequestTag, tagged_chunks
 
 log = logging.getLogger(__name__)
-router = APIRouter(dependencies=[Depends(require_api_token)], include_in_schema=False)
+router = APIRouter()
 VERSION_HEADER = "X-Weight-Version"
 
 
@@ -173,7 +174,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
              "msg": err["msg"], "type": err["type"]} for err in e.errors()]) from e
 
 
-@router.post("/v1/chat/completions")
+@serve(router, routes.CHAT_COMPLETIONS)
 async def chat_completions(request: Request) -> Any:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
@@ -183,7 +184,7 @@ async def chat_completions(request: Request) -> Any:
                                                     handler.create_chat_completion))
 
 
-@router.post("/v1/completions")
+@serve(router, routes.COMPLETIONS)
 async def completions(request: Request) -> Any:
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
@@ -192,7 +193,7 @@ async def completions(request: Request) -> Any:
     return await until_disconnected(request, _serve(body, request, handler.create_completion))
 
 
-@router.post("/inference/v1/generate")
+@serve(router, routes.TOKENS_GENERATE)
 async def generate_tokens(request: Request) -> Any:
     """vLLM's token-in, token-out route (SkyRL's RemoteInferenceClient
     generates through it): token ids in, token ids and logprobs out, with
@@ -205,7 +206,7 @@ async def generate_tokens(request: Request) -> Any:
     return await until_disconnected(request, _serve(body, request, handler.serve_tokens))
 
 
-@router.get("/v1/models")
+@serve(router, routes.MODELS)
 async def models(request: Request) -> JSONResponse:
     listed = await _vllm_state(request).openai_serving_models.show_available_models()
     version = request.app.state.engine.gate.version

@@ -37,16 +37,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from rollout_sidecar.server.auth import require_admin_token, require_api_token
+from rollout_sidecar.protocol.schema import routes
+from rollout_sidecar.server.auth import serve
 from rollout_sidecar.server.errors import BadRequest, ServiceUnavailable
 from rollout_sidecar.server.skyrl_api.delta_sync import DeltaSync, push_into
 
-router = APIRouter(include_in_schema=False)
-API = [Depends(require_api_token)]
-ADMIN = [Depends(require_admin_token)]
+router = APIRouter()
 UNCHANGED = "rollout-sidecar commits pushes between decode steps and tags every token with " \
     "its version: nothing to pause, sleep or wake"
 NOT_SERVED = ("SkyRL's {backend} weight transfer is not served by rollout-sidecar: use "
@@ -54,25 +53,25 @@ NOT_SERVED = ("SkyRL's {backend} weight transfer is not served by rollout-sideca
               "workers with rollout_sidecar.trainer.WeightPusher.push_tensors (docs/skyrl.md)")
 
 
-@router.get("/get_world_size", dependencies=API)
+@serve(router, routes.SKYRL_WORLD_SIZE)
 async def world_size(request: Request) -> JSONResponse:
     return JSONResponse({"world_size": request.app.state.settings.tensor_parallel_size})
 
 
-@router.post("/pause", dependencies=API)
-@router.post("/resume", dependencies=API)
-@router.post("/sleep", dependencies=API)
-@router.post("/wake_up", dependencies=API)
+@serve(router, routes.SKYRL_PAUSE)
+@serve(router, routes.SKYRL_RESUME)
+@serve(router, routes.SKYRL_SLEEP)
+@serve(router, routes.SKYRL_WAKE_UP)
 async def unchanged(request: Request) -> JSONResponse:
     return JSONResponse({"changed": False, "why": UNCHANGED})
 
 
-@router.get("/is_sleeping", dependencies=API)
+@serve(router, routes.SKYRL_IS_SLEEPING)
 async def is_sleeping() -> JSONResponse:
     return JSONResponse({"is_sleeping": False})
 
 
-@router.post("/reset_prefix_cache", dependencies=API)
+@serve(router, routes.SKYRL_RESET_PREFIX_CACHE)
 async def reset_prefix_cache() -> JSONResponse:
     return JSONResponse({"reset": False, "why": "every weight commit resets the prefix cache; "
                          "nothing in it is stale"})
@@ -109,7 +108,7 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...],
     return value
 
 
-@router.post("/init_weight_transfer_engine", dependencies=ADMIN)
+@serve(router, routes.SKYRL_INIT_TRANSFER)
 async def init_weight_transfer_engine(request: Request) -> JSONResponse:
     info = _field(await _body(request), "init_info", dict) or {}
     backend = "delta" if "base_model_path" in info or "local_checkpoint_dir" in info \
@@ -128,7 +127,7 @@ async def init_weight_transfer_engine(request: Request) -> JSONResponse:
     return JSONResponse({"backend": "delta", "version": sync.version, "base": base})
 
 
-@router.post("/fetch_weights", dependencies=ADMIN)
+@serve(router, routes.SKYRL_FETCH)
 async def fetch_weights(request: Request) -> JSONResponse:
     body = await _body(request)
     target = _field(body, "target_version", int, required=True)
@@ -139,7 +138,7 @@ async def fetch_weights(request: Request) -> JSONResponse:
     return JSONResponse({"target_version": target, **stats})
 
 
-@router.post("/start_weight_update", dependencies=ADMIN)
+@serve(router, routes.SKYRL_START_UPDATE)
 async def start_weight_update(request: Request) -> JSONResponse:
     sync = _sync(request)
     async with request.app.state.skyrl_lock:
@@ -147,7 +146,7 @@ async def start_weight_update(request: Request) -> JSONResponse:
     return JSONResponse({"started": True})
 
 
-@router.post("/update_weights", dependencies=ADMIN)
+@serve(router, routes.SKYRL_UPDATE)
 async def update_weights(request: Request) -> JSONResponse:
     info = _field(await _body(request), "update_info", dict) or {}
     sync = _sync(request)
@@ -158,7 +157,7 @@ async def update_weights(request: Request) -> JSONResponse:
     return JSONResponse({"weight_version": version})
 
 
-@router.post("/finish_weight_update", dependencies=ADMIN)
+@serve(router, routes.SKYRL_FINISH_UPDATE)
 async def finish_weight_update(request: Request) -> JSONResponse:
     sync = _sync(request)
     async with request.app.state.skyrl_lock:

@@ -37,13 +37,15 @@ from collections import OrderedDict
 
 import httpx
 
+from rollout_sidecar.protocol.schema import routes
+
 NONCE_BYTES = 32
 ANSWER_BYTES = 4096  # a challenge's answer is two hex strings
 SESSIONS = 64
 SESSION_TTL_S = 3600.0
 SCHEME = "Peer"
 MAC_HEADER = "X-Peer-Mac"
-CHALLENGE_PATH = "/weights/peer/challenge"
+CHALLENGE_PATH = routes.PEER_CHALLENGE.path
 _PERSON = b"rs-peer-v1"  # BLAKE2b personalisation: peer tags only
 
 

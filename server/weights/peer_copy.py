@@ -38,7 +38,7 @@ import httpx
 
 from rollout_sidecar.protocol import failpoints
 from rollout_sidecar.protocol.data_plane.bucket_check import crc32_of_bytes
-from rollout_sidecar.protocol.schema import BeginRequest, StagedCopy, WeightStatus
+from rollout_sidecar.protocol.schema import BeginRequest, StagedCopy, WeightStatus, routes
 from rollout_sidecar.protocol.schema.endpoints import expand_urls
 from rollout_sidecar.server.errors import PushConflict
 from rollout_sidecar.server.weights import ops
@@ -126,7 +126,7 @@ class PeerCopy:
                 log.info("catch-up: %s (own version %d)", self.timeline["outcome"], own)
                 return
             status, session = max(usable, key=lambda x: x[0].weight_version)
-            copy = StagedCopy.model_validate_json(await _get(http, session, "/weights/staged",
+            copy = StagedCopy.model_validate_json(await _get(http, session, routes.STAGED.path,
                                                              limit))
             if copy.version != status.weight_version:
                 raise RuntimeError(f"{session.url} moved from version {status.weight_version} "
@@ -143,7 +143,7 @@ class PeerCopy:
         try:
             session = await PeerSession.open(http, url, token)
             return WeightStatus.model_validate_json(
-                await _get(http, session, "/weights/status", limit)), session
+                await _get(http, session, routes.STATUS.path, limit)), session
         except PeerRefused as e:
             self.timeline.setdefault("refused", {})[url] = str(e)  # type: ignore[index]
             log.warning("catch-up: %s", e)
@@ -156,7 +156,7 @@ class PeerCopy:
         """`copy` into this replica as an in-process push, bucket by bucket."""
         async def buckets() -> AsyncIterator[Bucket]:
             for b in copy.buckets:
-                path = f"/weights/staged/{b.index}"
+                path = routes.STAGED_BUCKET.url(index=b.index)
                 data, headers = await _get(http, peer, path, b.nbytes, whole=True)
                 if int(headers["X-Weight-Version"]) != copy.version:
                     raise RuntimeError(f"{peer.url} moved to version "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Header, HTTPException, Path, Request, Response
+from fastapi import APIRouter, Body, Header, HTTPException, Path, Request, Response
 from pydantic import BaseModel
 
 from rollout_sidecar.protocol.schema import (
@@ -25,22 +25,14 @@ from rollout_sidecar.protocol.schema import (
     PrepareResponse,
     ProbeRequest,
     ProbeResult,
-    StagedCopy,
     WeightIndex,
-    WeightStatus,
+    routes,
 )
-from rollout_sidecar.server.auth import (
-    credential,
-    open_route,
-    require_admin_or_peer,
-    require_admin_token,
-)
+from rollout_sidecar.server.auth import credential, serve
 from rollout_sidecar.server.front_door import BodyTooLarge
 from rollout_sidecar.server.weights.peer_copy import bucket_headers
 
-router = APIRouter(prefix="/weights")
-ADMIN = [Depends(require_admin_token)]
-PEER = [Depends(require_admin_or_peer)]
+router = APIRouter()
 
 
 def _svc(request: Request):  # noqa: ANN202
@@ -56,7 +48,7 @@ def _to_peer(request: Request, body: bytes, headers: dict[str, str] | None = Non
     return Response(body, media_type=media_type, headers={**(headers or {}), **sealed})
 
 
-@router.post("/peer/challenge", dependencies=[Depends(open_route)])
+@serve(router, routes.PEER_CHALLENGE)
 async def peer_challenge(request: Request, nonce: str = Body(..., embed=True,
                                                              max_length=64)) -> dict:
     """A replica catching up asks this server to prove it holds the admin
@@ -67,24 +59,24 @@ async def peer_challenge(request: Request, nonce: str = Body(..., embed=True,
     return answer
 
 
-@router.get("/status", response_model=WeightStatus, dependencies=PEER)
+@serve(router, routes.STATUS)
 async def status(request: Request) -> Response:
     return _to_peer(request, _svc(request).status().model_dump_json().encode())
 
 
-@router.get("/index", response_model=WeightIndex, dependencies=ADMIN)
+@serve(router, routes.INDEX)
 async def index(request: Request) -> WeightIndex:
     return _svc(request).index()
 
 
-@router.post("/probe", response_model=ProbeResult, dependencies=ADMIN)
+@serve(router, routes.PROBE)
 async def probe(body: ProbeRequest, request: Request) -> ProbeResult:
     """Compare the trainer's logprobs of a probe sequence with the served ones;
     a gap over the tolerance marks the version suspect."""
     return await _svc(request).probe(body)
 
 
-@router.post("/connect", response_model=ConnectResponse, dependencies=ADMIN)
+@serve(router, routes.CONNECT)
 async def connect(body: ConnectRequest, request: Request) -> ConnectResponse:
     """Returns once the data-plane group formed. A trainer that dies (or gives
     up) while the server waits for it to join ends the wait at once: its
@@ -93,7 +85,7 @@ async def connect(body: ConnectRequest, request: Request) -> ConnectResponse:
     return await _svc(request).connect(body, gone=request.is_disconnected)
 
 
-@router.post("/disconnect", response_model=DisconnectResponse, dependencies=ADMIN)
+@serve(router, routes.DISCONNECT)
 async def disconnect(body: DisconnectRequest, request: Request) -> DisconnectResponse:
     """Release the data plane now (a trainer done pushing), instead of leaving
     its lease to run out: 409 if another connection owns it or a push is in
@@ -101,12 +93,12 @@ async def disconnect(body: DisconnectRequest, request: Request) -> DisconnectRes
     return await _svc(request).disconnect(body)
 
 
-@router.post("/begin", response_model=BeginResponse, dependencies=ADMIN)
+@serve(router, routes.BEGIN)
 async def begin(body: BeginRequest, request: Request) -> BeginResponse:
     return await _svc(request).begin(body)
 
 
-@router.put("/bucket/{index}", dependencies=ADMIN)
+@serve(router, routes.BUCKET)
 async def bucket(request: Request, index: Annotated[int, Path(ge=0, lt=2**31)],
                  x_push_id: str = Header(..., max_length=128),
                  x_checksum: int = Header(..., ge=0, lt=2**32)) -> dict:
@@ -123,26 +115,26 @@ async def bucket(request: Request, index: Annotated[int, Path(ge=0, lt=2**31)],
     return {"bucket": index, "nbytes": len(data)}
 
 
-@router.post("/prepare", response_model=PrepareResponse, dependencies=ADMIN)
+@serve(router, routes.PREPARE)
 async def prepare(body: PrepareRequest, request: Request) -> PrepareResponse:
     """Phase 1 of a commit across replicas: every bucket arrived and passed its
     CRC; nothing is loaded. Commit (phase 2) or abort follows."""
     return await _svc(request).prepare(body)
 
 
-@router.post("/commit", response_model=CommitResponse, dependencies=ADMIN)
+@serve(router, routes.COMMIT)
 async def commit(body: CommitRequest, request: Request) -> CommitResponse:
     """Load the push and serve it: after a prepare, or both phases in one call."""
     return await _svc(request).commit(body)
 
 
-@router.post("/abort", response_model=LastPush, dependencies=ADMIN)
+@serve(router, routes.ABORT)
 async def abort(body: AbortRequest, request: Request) -> LastPush:
     """End a push that has not started committing; aborting it twice is fine."""
     return await _svc(request).abort(body.push_id, body.reason)
 
 
-@router.get("/staged", response_model=StagedCopy, dependencies=PEER)
+@serve(router, routes.STAGED)
 async def staged(request: Request) -> Response:
     """The version this replica's staged copy holds and its buckets: what a
     replica starting with `--peers` catches up from (peer_copy.py)."""
@@ -150,7 +142,7 @@ async def staged(request: Request) -> Response:
     return _to_peer(request, copy.model_dump_json().encode())
 
 
-@router.get("/staged/{index}", dependencies=PEER)
+@serve(router, routes.STAGED_BUCKET)
 async def staged_bucket(request: Request,
                         index: Annotated[int, Path(ge=0, lt=2**31)]) -> Response:
     """One bucket of the staged copy, its version and CRC-32 in headers."""

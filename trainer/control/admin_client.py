@@ -15,22 +15,31 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+from pydantic import BaseModel
 
 from rollout_sidecar.protocol.calls.failures import NEVER_SENT  # the request never reached it
 from rollout_sidecar.protocol.failpoints import fire
 from rollout_sidecar.protocol.schema import (
+    AbortRequest,
+    BeginRequest,
     BeginResponse,
+    CommitRequest,
     CommitResponse,
+    ConnectRequest,
     ConnectResponse,
+    DisconnectRequest,
     DisconnectResponse,
     LastPush,
+    PrepareRequest,
     PrepareResponse,
     ProbeRequest,
     ProbeResult,
     WeightIndex,
     WeightStatus,
+    routes,
 )
 from rollout_sidecar.protocol.schema.endpoints import auth_headers
+from rollout_sidecar.protocol.schema.routes import Route
 from rollout_sidecar.trainer.control.deadlines import Deadlines, Stalled, watched
 from rollout_sidecar.trainer.errors import ReplicaError
 
@@ -49,11 +58,18 @@ class WeightAdminClient:
         self._http = httpx.Client(base_url=base_url, headers=auth_headers(token),
                                   timeout=self.deadlines.quick)
 
-    def _call(self, method: str, path: str, phase: str, budget_s: float | None = None,
-              **kw: Any) -> dict:
-        """One request; `budget_s`: a long call, watched (see deadlines.py)."""
+    def _call(self, route: Route, phase: str, budget_s: float | None = None,
+              body: BaseModel | None = None, path: str | None = None, **kw: Any) -> Any:
+        """One request to `route` (its body built from `body`, its answer read
+        as the route's response type); `budget_s`: a long call, watched (see
+        deadlines.py)."""
+        path = path or route.path
         fire("push.call", phase=phase, url=self.base_url)
-        return self._check(self._send(method, path, phase, budget_s, **kw), method, path, phase)
+        if body is not None:
+            kw["json"] = route.body(body)
+        r = self._check(self._send(route.method, path, phase, budget_s, **kw), route.method,
+                        path, phase)
+        return r if route.response is None else route.response.model_validate(r)
 
     def _send(self, method: str, path: str, phase: str, budget_s: float | None,
               **kw: Any) -> httpx.Response:
@@ -87,7 +103,7 @@ class WeightAdminClient:
     def alive(self) -> None:
         """Raise httpx's error unless the server's HTTP process answers
         anything (GET /ready: no engine round trip) within the stall bound."""
-        self._http.get("/ready", timeout=self.deadlines.quick)
+        self._http.get(routes.READY.path, timeout=self.deadlines.quick)
 
     def _check(self, r: httpx.Response, method: str, path: str, phase: str) -> dict:
         if r.is_error:
@@ -102,17 +118,15 @@ class WeightAdminClient:
         return r.json()
 
     def status(self) -> WeightStatus:
-        return WeightStatus.model_validate(self._call("GET", "/weights/status", "status"))
+        return self._call(routes.STATUS, "status")
 
     def index(self) -> WeightIndex:
-        return WeightIndex.model_validate(self._call("GET", "/weights/index", "index"))
+        return self._call(routes.INDEX, "index")
 
     def probe(self, req: ProbeRequest, budget_s: float = 300.0) -> ProbeResult:
         """Have the server score the probe tokens under the version just
         committed and compare them with the trainer's logprobs."""
-        return ProbeResult.model_validate(self._call(
-            "POST", "/weights/probe", "probe", budget_s, content=req.model_dump_json(),
-            headers={"Content-Type": "application/json"}))
+        return self._call(routes.PROBE, "probe", budget_s, req)
 
     def connect(self, connection_id: str, backend: str, timeout_s: float,
                 takeover: bool = False, lease_wait_s: float = 60.0, *,
@@ -126,29 +140,26 @@ class WeightAdminClient:
         finds its old self there), wait as the server's Retry-After says, up to
         `lease_wait_s`; a trainer that is really pushing keeps renewing it, and
         then this raises with the server's reason."""
-        body = {"connection_id": connection_id, "backend": backend, "timeout_s": timeout_s,
-                "takeover": takeover, "trainer_id": trainer_id, "world_size": world_size,
-                "rank_offset": rank_offset, "fanout": fanout}
-        if op_timeout_s is not None:
-            body["op_timeout_s"] = op_timeout_s
-        if senders > 1:  # a server that predates it refuses the field (and says so first)
-            body["senders"] = senders
-        if ring_starts is not None:  # (asked only of a server with `chain:ring`)
-            body["ring_starts"] = list(ring_starts)
-        if store is not None:
-            body.update(store_host=store[0], store_port=store[1])
-        if secret is not None:  # in the body only: never in a log line or an error
-            body.update(secret=secret.hex(), bucket_macs=bucket_macs)
+        # `senders` and `ring_starts` are sent only when not at their default,
+        # which a server that predates them refuses (the route's body()).
+        req = ConnectRequest.model_validate({
+            "connection_id": connection_id, "backend": backend, "timeout_s": timeout_s,
+            "takeover": takeover, "trainer_id": trainer_id, "world_size": world_size,
+            "rank_offset": rank_offset, "fanout": fanout, "op_timeout_s": op_timeout_s,
+            "senders": senders, "ring_starts": None if ring_starts is None else list(ring_starts),
+            "store_host": store and store[0], "store_port": store and store[1],
+            "secret": secret and secret.hex(), "bucket_macs": bucket_macs if secret else True})
+        route = routes.CONNECT
         deadline = time.monotonic() + lease_wait_s
         while True:
             # The server answers once the whole group formed: its join's bound, plus slack.
-            r = self._send("POST", "/weights/connect", "connect",
-                           timeout_s + self.deadlines.stall_s, json=body)
+            r = self._send(route.method, route.path, "connect",
+                           timeout_s + self.deadlines.stall_s, json=route.body(req))
             retry = r.headers.get("Retry-After")
             if r.status_code == 409 and retry and time.monotonic() + float(retry) < deadline:
                 time.sleep(float(retry))
                 continue
-            return ConnectResponse.model_validate(self._check(r, "POST", "/weights/connect",
+            return ConnectResponse.model_validate(self._check(r, route.method, route.path,
                                                               "connect"))
 
     def disconnect(self, connection_id: str, trainer_id: str | None = None,
@@ -157,10 +168,10 @@ class WeightAdminClient:
         connects without waiting out the lease. 200 also when it was already
         released; WeightPushError on a 409 (another connection owns it, or a
         push is in progress over it) or an unreachable server."""
-        return DisconnectResponse.model_validate(self._call(
-            "POST", "/weights/disconnect", "disconnect",
-            json={"connection_id": connection_id, "trainer_id": trainer_id},
-            timeout=min(timeout_s, self.deadlines.stall_s)))
+        return self._call(routes.DISCONNECT, "disconnect",
+                          body=DisconnectRequest(connection_id=connection_id,
+                                                 trainer_id=trainer_id),
+                          timeout=min(timeout_s, self.deadlines.stall_s))
 
     def begin(self, version: int, transport: str, buckets: list[dict],
               connection_id: str | None, commit_policy: str | None,
@@ -168,44 +179,35 @@ class WeightAdminClient:
               adapter: dict | None = None, check: str = "crc32") -> BeginResponse:
         """Checks the manifest and allocates staging: watched, since a large
         model's staging takes a while."""
-        body = {"version": version, "transport": transport, "connection_id": connection_id,
-                "commit_policy": commit_policy, "buckets": buckets}
-        if delta_base is not None:  # a server before deltas refuses the field
-            body["delta_base"] = delta_base
-        if adapter is not None:  # an AdapterSpec's JSON
-            body["adapter"] = adapter
-        if check != "crc32":  # a server that predates `check` refuses the field
-            body["check"] = check
-        return BeginResponse.model_validate(self._call("POST", "/weights/begin", "begin",
-                                                       budget_s, json=body))
+        req = BeginRequest.model_validate({
+            "version": version, "transport": transport, "connection_id": connection_id,
+            "commit_policy": commit_policy, "buckets": buckets, "delta_base": delta_base,
+            "adapter": adapter, "check": check})
+        return self._call(routes.BEGIN, "begin", budget_s, req)
 
     def put_bucket(self, push_id: str, index: int, data: bytes, checksum: int,
                    budget_s: float = 300.0) -> None:
-        self._call("PUT", f"/weights/bucket/{index}", "transfer", budget_s, content=data,
-                   headers={"X-Push-Id": push_id, "X-Checksum": str(checksum),
-                            "Content-Type": "application/octet-stream"})
+        self._call(routes.BUCKET, "transfer", budget_s, path=routes.BUCKET.url(index=index),
+                   content=data, headers={"X-Push-Id": push_id, "X-Checksum": str(checksum),
+                                          "Content-Type": "application/octet-stream"})
 
     def prepare(self, push_id: str, checksums: list[int], timeout_s: float,
                 macs: list[str] | None = None) -> PrepareResponse:
         """Phase 1: waits until every bucket arrived and passed its CRC."""
-        return PrepareResponse.model_validate(self._call("POST", "/weights/prepare", "prepare",
-                                                         timeout_s, json={
-            "push_id": push_id, "checksums": checksums,
-            **({"macs": macs} if macs is not None else {})}))
+        return self._call(routes.PREPARE, "prepare", timeout_s, PrepareRequest.model_validate(
+            {"push_id": push_id, "checksums": checksums, "macs": macs}))
 
     def commit(self, push_id: str, checksums: list[int] | None, timeout_s: float,
                macs: list[str] | None = None) -> CommitResponse:
         """Phase 2 (or both phases, given `checksums`, and `macs` with a
         secret): waits for the server's (check +) drain + load; `timeout_s`
         covers them."""
-        return CommitResponse.model_validate(self._call("POST", "/weights/commit", "commit",
-                                                        timeout_s, json={
-            "push_id": push_id, "checksums": checksums,
-            **({"macs": macs} if macs is not None else {})}))
+        return self._call(routes.COMMIT, "commit", timeout_s, CommitRequest.model_validate(
+            {"push_id": push_id, "checksums": checksums, "macs": macs}))
 
     def abort(self, push_id: str, reason: str) -> LastPush:
-        return LastPush.model_validate(self._call("POST", "/weights/abort", "abort", json={
-            "push_id": push_id, "reason": reason}))
+        return self._call(routes.ABORT, "abort", body=AbortRequest(push_id=push_id,
+                                                                  reason=reason))
 
     def close(self) -> None:
         self._http.close()
