@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollout_sidecar.server.app_state import Services, services
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine.lifecycle import GenerationEngine
 from rollout_sidecar.server.engine.version_gate import MinVersionTimeout
@@ -45,7 +46,7 @@ def _error(status: int, message: str, field: str | None = None, detail: list | N
 
 
 def _ready_after_catch_up(app: FastAPI, engine: GenerationEngine) -> None:
-    app.state.ready = True
+    services(app).ready = True
     log.info("ready: weight_version=%d (after the catch-up from a peer)", engine.gate.version)
 
 
@@ -65,50 +66,41 @@ def create_app(settings: ServerSettings, model_path: Path | None = None,
         path = model_path or resolve_model(settings)
         log.info("loading %s (boot %s)", path, boot_id)
         engine = GenerationEngine(settings, path, app_metrics, boot_id)
+        state = services(app)
         # Every error path below releases what was started: engine processes, port.
         with contextlib.ExitStack() as stack:
             stack.callback(engine.shutdown)
             await engine.start()
-            app.state.openai = await build_state(engine, settings.openai_args)
+            state.openai = await build_state(engine, settings.openai_args)
             # First-request costs paid now, not by a trainer's first step.
             await warm_up(engine)
-            app.state.engine = engine
-            app.state.generator = generator = GenerateService(engine)
-            app.state.weights = WeightService(engine, generator, settings, app_metrics,
-                                              boot_id)
-            await app.state.weights.start(
-                listeners.take_data_plane_fd() if listeners else None)
-            stack.callback(app.state.weights.plane.stop)
-            catching_up = app.state.weights.peer_copy.start()  # --peers: once serving
+            state.engine = engine
+            state.generator = generator = GenerateService(engine)
+            state.weights = weights = WeightService(engine, generator, settings, app_metrics,
+                                                    boot_id)
+            await weights.start(listeners.take_data_plane_fd() if listeners else None)
+            stack.callback(weights.plane.stop)
+            catching_up = weights.peer_copy.start()  # --peers: once serving
             if catching_up is None:
-                app.state.ready = True
+                state.ready = True
                 log.info("ready: weight_version=%d", engine.gate.version)
             else:
-                app.state.not_ready_reason = "catching up from a peer"
+                state.not_ready_reason = "catching up from a peer"
                 catching_up.add_done_callback(lambda _: _ready_after_catch_up(app, engine))
             try:
                 yield
             finally:
-                app.state.ready = False
-                await app.state.weights.stop()
+                state.ready = False
+                await weights.stop()
 
     app = FastAPI(title="rollout-sidecar", version="0.1.0", lifespan=lifespan)
-    app.state.settings = settings
-    app.state.peer_answerer = PeerAnswerer(
-        settings.admin_token.get_secret_value() if settings.admin_token else None)
-    app.state.metrics = app_metrics
-    app.state.boot_id = boot_id
-    app.state.engine = None
-    app.state.generator = None
-    app.state.ready = False
-    app.state.not_ready_reason = "model loading"
-    app.state.draining = False
-    app.state.openai = None
+    app.state.services = Services(settings, app_metrics, PeerAnswerer(
+        settings.admin_token.get_secret_value() if settings.admin_token else None), boot_id)
     for module in (generate, openai_api, skyrl_api, health, metrics, weights):
         app.include_router(module.router)
     install_openapi(app)
 
-    app.add_middleware(FrontDoor, state=app.state, routes=app.router.routes)
+    app.add_middleware(FrontDoor, state=services(app), routes=app.router.routes)
 
     @app.exception_handler(RequestValidationError)
     async def on_malformed(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -27,6 +27,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.routing import APIRoute
 
 from rollout_sidecar.protocol.schema.routes import Access, Route
+from rollout_sidecar.server.app_state import services
 
 if TYPE_CHECKING:
     from rollout_sidecar.server.config import ServerSettings
@@ -84,8 +85,8 @@ def authorize(access: Access, headers: Mapping[str, str], settings: ServerSettin
 
 
 def _check(request: Request, access: Access) -> None:
-    state = request.app.state
-    authorize(access, request.headers, state.settings, getattr(state, "peer_answerer", None),
+    state = services(request)
+    authorize(access, request.headers, state.settings, state.peer_answerer,
               request.method, request.url.path)
 
 

@@ -66,7 +66,7 @@ def body_limit(route: Any, default: int) -> int | None:
 class FrontDoor:
     def __init__(self, app: Any, state: Any, routes: list[Any]) -> None:
         self.app = app
-        self.state = state  # the FastAPI app's state: settings, draining flag, metrics
+        self.state = state  # the app's services: settings, draining flag, metrics
         self.routes = routes  # the app's own route table (app.router.routes)
         # id(route) -> (its access, its body limit): read off the route once.
         self._rules: dict[int, tuple[Access, int | None]] = {}

@@ -9,6 +9,7 @@ import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
 from rollout_sidecar.server.app import create_app
+from rollout_sidecar.server.app_state import services
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.listeners import open_listeners
 from rollout_sidecar.server.model.model_source import check_max_model_len, resolve_model
@@ -25,9 +26,10 @@ class DrainingServer(uvicorn.Server):
         self._app = app
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self._app.state.draining:
+        state = services(self._app)
+        if not state.draining:
             log.info("signal %s: draining in-flight requests", sig)
-        self._app.state.draining = True
+        state.draining = True
         super().handle_exit(sig, frame)
 
 

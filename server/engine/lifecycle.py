@@ -1,6 +1,6 @@
 """vLLM's AsyncLLM in our process: start, stop, health, and what it serves.
 
-`GenerationEngine` is the object the app keeps as `app.state.engine`. It owns
+`GenerationEngine` is the object the app keeps as its `Services.engine`. It owns
 the engine's lifetime and the state every feature shares (the version gate,
 the checkpoint index, the request tracker), and implements `Engine`
 (engine_api.py), the interface every feature is written against. The work on

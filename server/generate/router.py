@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from rollout_sidecar.protocol.schema import GenerateRequest, routes
+from rollout_sidecar.server.app_state import services
 from rollout_sidecar.server.auth import serve
 
 router = APIRouter()
@@ -38,4 +39,5 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 @serve(router, routes.GENERATE)
 async def generate(body: GenerateRequest, request: Request) -> Any:
-    return await until_disconnected(request, request.app.state.generator.generate(body))
+    return await until_disconnected(request,
+                                    services(request).started_generator().generate(body))

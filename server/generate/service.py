@@ -24,7 +24,7 @@ from rollout_sidecar.server.generate.response import build_response
 
 class GenerateService:
     """/generate and the probe's scoring (a `Scorer`), on the engine; app.py
-    builds it and keeps it as `app.state.generator`."""
+    builds it and keeps it as its `Services.generator`."""
 
     def __init__(self, engine: Engine) -> None:
         # The engine, not its parts: llm, tokenizer and info exist only once

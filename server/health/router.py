@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, HTTPException, Request
 
 from rollout_sidecar.protocol.schema import HealthResponse, InfoResponse, routes
+from rollout_sidecar.server.app_state import services
 from rollout_sidecar.server.auth import serve
 from rollout_sidecar.server.weights.service import transports
 
@@ -23,7 +24,7 @@ HEALTH_TIMEOUT_S = 10.0
 
 @serve(router, routes.HEALTH)
 async def health(request: Request) -> HealthResponse:
-    engine = request.app.state.engine
+    engine = services(request).engine
     if engine is None or engine.llm is None:
         raise HTTPException(503, "engine not started")
     try:
@@ -35,12 +36,12 @@ async def health(request: Request) -> HealthResponse:
 
 @serve(router, routes.READY)
 async def ready(request: Request) -> HealthResponse:
-    state = request.app.state
+    state = services(request)
     if state.draining:
         raise HTTPException(503, "shutting down")
     if not state.ready:
         raise HTTPException(503, state.not_ready_reason)
-    gate = state.engine.gate
+    gate = state.started_engine().gate
     if gate.broken is not None:  # a load failed mid-commit: unusable until a push succeeds
         raise HTTPException(503, gate.broken)
     if gate.version in gate.suspect:  # out of rotation until a push passes its probe
@@ -50,7 +51,7 @@ async def ready(request: Request) -> HealthResponse:
 
 @serve(router, routes.INFO)
 async def info(request: Request) -> InfoResponse:
-    engine = request.app.state.engine
+    engine = services(request).engine
     if engine is None or engine.info is None:
         raise HTTPException(503, "engine not started")
     return InfoResponse(
@@ -62,7 +63,7 @@ async def info(request: Request) -> InfoResponse:
         weight_version=engine.gate.version,
         boot_id=engine.boot_id,
         num_parameters=engine.index.num_parameters,
-        commit_policy=request.app.state.settings.commit_policy,
+        commit_policy=services(request).settings.commit_policy,
         transports=transports(),
         logprobs_mode=engine.info.logprobs_mode,
         quantization=engine.info.quantization,

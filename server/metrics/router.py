@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from rollout_sidecar.protocol.schema import routes
+from rollout_sidecar.server.app_state import services
 from rollout_sidecar.server.auth import serve
 
 router = APIRouter()
@@ -17,7 +18,8 @@ router = APIRouter()
 
 @serve(router, routes.METRICS)
 async def metrics(request: Request) -> Response:
-    m, engine = request.app.state.metrics, request.app.state.engine
+    state = services(request)
+    m, engine = state.metrics, state.engine
     if engine is not None and engine.llm is not None:
         m.gate_waiting.set(engine.gate.gated)
         m.in_flight.set(engine.gate.in_flight)
@@ -27,7 +29,7 @@ async def metrics(request: Request) -> Response:
     body = generate_latest(m.registry) + generate_latest(_vllm_registry())
     if engine is not None:  # /metrics is open: vLLM's model_name label is our path
         body = body.replace(f'"{engine.model_path}"'.encode(),
-                            f'"{public_name(request.app.state.settings.model, engine.model_path)}"'
+                            f'"{public_name(state.settings.model, engine.model_path)}"'
                             .encode())
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from rollout_sidecar.protocol.schema import routes
+from rollout_sidecar.server.app_state import services
 from rollout_sidecar.server.auth import serve
 from rollout_sidecar.server.errors import BadRequest, ServiceUnavailable
 from rollout_sidecar.server.generate.router import until_disconnected
@@ -56,7 +57,7 @@ class _LeasedStream(StreamingResponse):
 
 
 def _vllm_state(request: Request) -> Any:
-    state = request.app.state.openai
+    state = services(request).openai
     if state is None:  # built once the engine started (app.py's lifespan)
         raise ServiceUnavailable("the engine is still loading")
     return state
@@ -127,7 +128,8 @@ async def _serve(body: Any, request: Request,
     """Admit, let vLLM's handler run under the lease, tag what it answers."""
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-    engine, settings = request.app.state.engine, request.app.state.settings
+    state = services(request)
+    engine, settings = state.started_engine(), state.settings
     _check(body, settings.max_sequences_per_request)
     want_spans = _return_spans(body)
     lease = await engine.gate.admit(_min_version(body), settings.min_version_wait_s)
@@ -209,6 +211,6 @@ async def generate_tokens(request: Request) -> Any:
 @serve(router, routes.MODELS)
 async def models(request: Request) -> JSONResponse:
     listed = await _vllm_state(request).openai_serving_models.show_available_models()
-    version = request.app.state.engine.gate.version
+    version = services(request).started_engine().gate.version
     return JSONResponse({**listed.model_dump(), "weight_version": version},
                         headers={VERSION_HEADER: str(version)})

@@ -41,8 +41,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from rollout_sidecar.protocol.schema import routes
+from rollout_sidecar.server.app_state import services
 from rollout_sidecar.server.auth import serve
-from rollout_sidecar.server.errors import BadRequest, ServiceUnavailable
+from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.skyrl_api.delta_sync import DeltaSync, push_into
 
 router = APIRouter()
@@ -55,7 +56,7 @@ NOT_SERVED = ("SkyRL's {backend} weight transfer is not served by rollout-sideca
 
 @serve(router, routes.SKYRL_WORLD_SIZE)
 async def world_size(request: Request) -> JSONResponse:
-    return JSONResponse({"world_size": request.app.state.settings.tensor_parallel_size})
+    return JSONResponse({"world_size": services(request).settings.tensor_parallel_size})
 
 
 @serve(router, routes.SKYRL_PAUSE)
@@ -78,14 +79,11 @@ async def reset_prefix_cache() -> JSONResponse:
 
 
 def _sync(request: Request) -> DeltaSync:
-    state = request.app.state
-    if state.engine is None:
-        raise ServiceUnavailable("the engine is still loading")
-    if getattr(state, "skyrl_delta", None) is None:
-        state.skyrl_delta = DeltaSync(Path(state.engine.model_path),
-                                      state.settings.weight_sync_root)
-        state.skyrl_lock = asyncio.Lock()
-    return state.skyrl_delta
+    state = services(request)
+    if state.skyrl is None:
+        state.skyrl = DeltaSync(Path(state.started_engine().model_path),
+                                state.settings.weight_sync_root)
+    return state.skyrl
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -119,9 +117,9 @@ async def init_weight_transfer_engine(request: Request) -> JSONResponse:
                                        "type": "NotImplementedError", "code": 501}},
                             status_code=501)
     sync = _sync(request)
-    async with request.app.state.skyrl_lock:
+    async with services(request).skyrl_lock:
         try:
-            base = await sync.init(request.app.state.weights)
+            base = await sync.init(services(request).started_weights())
         except NotImplementedError as e:
             return JSONResponse({"error": {"message": str(e), "code": 501}}, status_code=501)
     return JSONResponse({"backend": "delta", "version": sync.version, "base": base})
@@ -133,7 +131,7 @@ async def fetch_weights(request: Request) -> JSONResponse:
     target = _field(body, "target_version", int, required=True)
     sync_dir, uri = _field(body, "sync_dir", str), _field(body, "uri", str)
     sync = _sync(request)
-    async with request.app.state.skyrl_lock:
+    async with services(request).skyrl_lock:
         stats = await asyncio.to_thread(sync.fetch, target, sync_dir, uri)
     return JSONResponse({"target_version": target, **stats})
 
@@ -141,7 +139,7 @@ async def fetch_weights(request: Request) -> JSONResponse:
 @serve(router, routes.SKYRL_START_UPDATE)
 async def start_weight_update(request: Request) -> JSONResponse:
     sync = _sync(request)
-    async with request.app.state.skyrl_lock:
+    async with services(request).skyrl_lock:
         sync.start()
     return JSONResponse({"started": True})
 
@@ -150,9 +148,9 @@ async def start_weight_update(request: Request) -> JSONResponse:
 async def update_weights(request: Request) -> JSONResponse:
     info = _field(await _body(request), "update_info", dict) or {}
     sync = _sync(request)
-    async with request.app.state.skyrl_lock:
+    async with services(request).skyrl_lock:
         version, tensors = sync.to_push(info.get("target_version", info.get("version")))
-        await push_into(request.app.state.weights, version, tensors)
+        await push_into(services(request).started_weights(), version, tensors)
         sync.pushed()
     return JSONResponse({"weight_version": version})
 
@@ -160,6 +158,6 @@ async def update_weights(request: Request) -> JSONResponse:
 @serve(router, routes.SKYRL_FINISH_UPDATE)
 async def finish_weight_update(request: Request) -> JSONResponse:
     sync = _sync(request)
-    async with request.app.state.skyrl_lock:
+    async with services(request).skyrl_lock:
         sync.finish()
     return JSONResponse({"finished": True})

@@ -28,22 +28,24 @@ from rollout_sidecar.protocol.schema import (
     WeightIndex,
     routes,
 )
+from rollout_sidecar.server.app_state import services
 from rollout_sidecar.server.auth import credential, serve
 from rollout_sidecar.server.front_door import BodyTooLarge
 from rollout_sidecar.server.weights.peer_copy import bucket_headers
+from rollout_sidecar.server.weights.service import WeightService
 
 router = APIRouter()
 
 
-def _svc(request: Request):  # noqa: ANN202
-    return request.app.state.weights
+def _svc(request: Request) -> WeightService:
+    return services(request).started_weights()
 
 
 def _to_peer(request: Request, body: bytes, headers: dict[str, str] | None = None,
              media_type: str = "application/json") -> Response:
     """`body` as it is sent, tagged for a peer that asked with its proof."""
     scheme, value = credential(request.headers)
-    sealed = request.app.state.peer_answerer.seal(value, request.url.path, body) \
+    sealed = services(request).peer_answerer.seal(value, request.url.path, body) \
         if scheme == "peer" else {}
     return Response(body, media_type=media_type, headers={**(headers or {}), **sealed})
 
@@ -53,7 +55,7 @@ async def peer_challenge(request: Request, nonce: str = Body(..., embed=True,
                                                              max_length=64)) -> dict:
     """A replica catching up asks this server to prove it holds the admin
     token (weights/peer_auth.py); nothing is read or changed."""
-    answer = request.app.state.peer_answerer.challenge(nonce)
+    answer = services(request).peer_answerer.challenge(nonce)
     if answer is None:
         raise HTTPException(400, "nonce: 64 hex digits, and a server with an admin token")
     return answer
