@@ -209,11 +209,19 @@ class WeightService:
         await self._after_catch_up(f"connect {req.connection_id}")
         async with self.session.lock:
             await self._supersede(req.trainer_id)
-            if (p := self.session.current) is not None:
-                owner = f" by connection {p.req.connection_id}" if p.req.connection_id else ""
-                raise PushConflict(f"push {p.push_id}{owner} is in progress: another trainer "
-                                   "is pushing to this server; connect after it ends", 1.0)
-            return await self.plane.connect(req, gone)
+            try:
+                if (p := self.session.current) is not None:
+                    owner = f" by connection {p.req.connection_id}" \
+                        if p.req.connection_id else ""
+                    raise PushConflict(f"push {p.push_id}{owner} is in progress: another "
+                                       "trainer is pushing to this server; connect after it "
+                                       "ends", 1.0)
+                return await self.plane.connect(req, gone)
+            except (PushConflict, BadRequest):
+                # Its ranks may be at the store's gate already: let them see the
+                # trainer's abort (store_gate.py: `refused`).
+                self.plane.gate.refused(req.connection_id)
+                raise
 
     async def disconnect(self, req: DisconnectRequest) -> DisconnectResponse:
         """A trainer done pushing releases the data plane at once."""

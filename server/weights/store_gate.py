@@ -12,7 +12,8 @@ listens on loopback only and this relay owns the data-plane port:
   joining as they send the connect) waits, unread, up to `HOLD_S` for a
   window, then is closed. A failed connect's window stays open `GRACE_S`
   longer, for the trainer to write its abort marker and clear up
-  (trainer/transport/distributed.py: `_end_rendezvous`);
+  (trainer/transport/distributed.py: `_end_rendezvous`), and so does a
+  connect refused before its window (`refused`), for the ranks it started;
 - a window's connections may upload `WINDOW_BYTES` in all, each
   `CONNECTION_BYTES` (commands included: a rank polling for its peers for
   minutes sends far less), at most `MAX_CONNECTIONS` at once; past a
@@ -92,21 +93,40 @@ class StoreGate:
     def window(self, connection_id: str) -> Iterator[None]:
         """Take connections while the block runs (the connect of
         `connection_id`), and `GRACE_S` longer if it raises."""
-        window = next(self._ids)
-        self._open[window] = connection_id
-        self._uploaded[window] = 0
-        self._opened.set()
-        loop = asyncio.get_running_loop()
+        window = self._open_window(connection_id)
         failed = True
         try:
             yield
             failed = False
         finally:
-            if failed:
-                loop.call_later(self.grace_s, self._close, window)
-            else:
-                self._close(window)
-            loop.call_later(self.grace_s, self._sweep)
+            self._end_window(window, failed)
+
+    def refused(self, connection_id: str) -> None:
+        """A connect refused before its window opened (another trainer's
+        lease or push, a field this server refuses). Its trainer's ranks may
+        be waiting here already, and torch's client reconnects until its
+        join's timeout: held out, a refused trainer's join (and its close(),
+        which waits for it) took the whole `join_s`. So the store opens
+        `GRACE_S` for them, as after a failed connect: they read the abort
+        marker the trainer writes (trainer/transport/distributed.py:
+        `_end_rendezvous`) and leave within a poll. Only an admin-
+        authenticated connect gets this far."""
+        self._end_window(self._open_window(connection_id), failed=True)
+
+    def _open_window(self, connection_id: str) -> int:
+        window = next(self._ids)
+        self._open[window] = connection_id
+        self._uploaded[window] = 0
+        self._opened.set()
+        return window
+
+    def _end_window(self, window: int, failed: bool) -> None:
+        loop = asyncio.get_running_loop()
+        if failed:
+            loop.call_later(self.grace_s, self._close, window)
+        else:
+            self._close(window)
+        loop.call_later(self.grace_s, self._sweep)
 
     def _close(self, window: int) -> None:
         self._open.pop(window, None)
