@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from rollout_sidecar.protocol.schema import BucketManifest
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.data_plane import merge_states
 from rollout_sidecar.server.weights.ops import SideOp, WorkerCallFailed, WorkerOp
+from rollout_sidecar.server.weights.worker_replies import Done, State, wire
 from rollout_sidecar.server.weights.worker_requests import Check, WorkerRequest
 from tests import processes
 from tests.conftest import REPO
@@ -52,8 +54,8 @@ def test_importing_and_building_the_server_never_asks_torch_cuda():
 # ---------------------------------------------------------------- replies in step
 
 
-def _reply(rank: int, ok: bool = True, **kw) -> dict:
-    return {"rank": rank, "ok": ok, **kw}
+def _reply(rank: int, ok: bool = True, **kw) -> Done:
+    return Done(rank=rank, ok=ok, **kw)
 
 
 def test_a_failure_on_one_rank_is_named_and_a_mixed_load_is_not_untouched():
@@ -81,19 +83,24 @@ class _FakeLLM:
 
 
 def test_every_rank_is_read_and_any_failure_raises():
-    llm = _FakeLLM([_reply(0), _reply(1, False, error="boom")])
+    llm = _FakeLLM([wire(_reply(0)), wire(_reply(1, False, error="boom"))])
     with pytest.raises(WorkerCallFailed, match="worker rank 1: boom"):
         asyncio.run(ops.send(llm, Check(checksums=[1], timeout_s=5.0)))
     assert llm.calls == [(ops.WORKER_METHOD, ("check", {"checksums": [1], "timeout_s": 5.0,
                                                          "macs": None, "version": None}))]
-    assert len(asyncio.run(ops.call(_FakeLLM([_reply(0), _reply(1)]), WorkerOp.FINISH))) == 2
+    done = asyncio.run(ops.call(_FakeLLM([wire(_reply(0)), wire(_reply(1, staged_bytes=3))]),
+                                WorkerOp.FINISH))
+    assert done == [Done(rank=0, ok=True), Done(rank=1, ok=True, staged_bytes=3)]
+    # A reply with a key its op's class does not know is refused by name.
+    with pytest.raises(ValueError, match="finish reply"):
+        asyncio.run(ops.call(_FakeLLM([{"rank": 0, "ok": True, "stagedbytes": 3}]),
+                             WorkerOp.FINISH))
 
 
-def _state(rank: int, conn: str, recv: str = "idle", error: str | None = None) -> dict:
-    return _reply(rank, connection={"state": conn, "id": "c", **({"error": error}
-                                                                   if error else {})},
-                  receive=recv, receive_error=error if recv == "failed" else None,
-                  staged_bytes=10)
+def _state(rank: int, conn: str, recv: str = "idle", error: str | None = None) -> State:
+    connection: Any = {"state": conn, "id": "c", **({"error": error} if error else {})}
+    return State(rank=rank, ok=True, connection=connection, receive=recv,
+                 receive_error=error if recv == "failed" else None, staged_bytes=10)
 
 
 def test_worker_states_merge_into_the_weakest():
@@ -146,12 +153,12 @@ def test_worker_calls_answer_with_values_and_abort_closes_every_session():
         assert run_call(w, "receive", opening)["ok"]
     check = {"checksums": [], "timeout_s": 1.0}
     r0, r1 = run_call(w0, "check", check), run_call(w1, "check", check)
-    assert r0 == {"rank": 0, "ok": True} and not r1["ok"] and "check refused" in r1["error"]
+    assert r0 == wire(Done(rank=0, ok=True)) and not r1["ok"] and "check refused" in r1["error"]
     assert w0._weight_update_active and not w1._weight_update_active
     # A load after a failed check is refused on the rank that failed, not raised.
     assert run_call(w1, "load", {})["error"].startswith("load: no push is staged")
     for w in (w0, w1):  # ABORT: idempotent, whatever each rank's state
-        assert run_call(w, "abort", {}) == {"rank": w.rank, "ok": True, "staged_bytes": 7}
+        assert run_call(w, "abort", {}) == wire(Done(rank=w.rank, ok=True, staged_bytes=7))
         assert not w._weight_update_active
     # A session left open (a push that never ended here) does not refuse the next.
     w0._weight_update_active = True

@@ -40,6 +40,7 @@ from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.manifest_check import carries_draft
 from rollout_sidecar.server.weights.ops import WorkerCallFailed, WorkerOp
 from rollout_sidecar.server.weights.push_session import Push, PushFailed, PushSession, PushState
+from rollout_sidecar.server.weights.worker_replies import Done
 from rollout_sidecar.server.weights.worker_requests import Check, Load, Patch, Relabel
 
 log = logging.getLogger(__name__)
@@ -267,9 +268,9 @@ class CommitPhases:
         await self.llm.update_weight_version(str(v))
         self._laps("label_s")
 
-    def held_staging(self, replies: list[dict]) -> None:
+    def held_staging(self, replies: list[Done]) -> None:
         """What every worker's staging holds once a push ended."""
-        self.staged_bytes = sum(r.get("staged_bytes", 0) for r in replies)
+        self.staged_bytes = sum(r.staged_bytes for r in replies)
         self.metrics.staged_bytes.set(self.staged_bytes)
 
     # -------------------------------------------------------------- abort

@@ -47,6 +47,7 @@ from rollout_sidecar.server.listeners import bind_port
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.ops import SideOp
 from rollout_sidecar.server.weights.store_gate import StoreGate
+from rollout_sidecar.server.weights.worker_replies import State
 
 log = logging.getLogger(__name__)
 
@@ -309,20 +310,20 @@ def _remember(ended: OrderedDict, key: str, value: Any) -> None:
 _CONNECTION_ORDER = ("failed", "none", "connecting", "connected")
 
 
-def merge_states(replies: list[dict]) -> dict:
-    """One state from every worker's (worker_calls.py replies, rank order):
+def merge_states(replies: list[State]) -> dict:
+    """One state from every worker's (their `State` replies, rank order):
     the least advanced connection, a receive failed or running on any worker,
     errors named by rank when there are several."""
-    def named(r: dict, error: str) -> str:
-        return error if len(replies) == 1 else f"worker rank {r['rank']}: {error}"
+    def named(r: State, error: str | None) -> str | None:
+        return error if len(replies) == 1 else f"worker rank {r.rank}: {error}"
 
-    r, conn = min(((r, r["connection"]) for r in replies),
-                  key=lambda rc: _CONNECTION_ORDER.index(rc[1]["state"]))
+    r = min(replies, key=lambda r: _CONNECTION_ORDER.index(r.connection["state"]))
+    conn: dict = dict(r.connection)
     if "error" in conn:
-        conn = dict(conn, error=named(r, conn["error"]))
-    failed = next((r for r in replies if r["receive"] == "failed"), None)
-    running = any(r["receive"] == "running" for r in replies)
+        conn["error"] = named(r, conn["error"])
+    failed = next((r for r in replies if r.receive == "failed"), None)
+    running = any(r.receive == "running" for r in replies)
     return {"connection": conn,
             "receive": "failed" if failed else "running" if running else "idle",
-            "receive_error": named(failed, failed["receive_error"]) if failed else None,
-            "staged_bytes": sum(r.get("staged_bytes", 0) for r in replies)}
+            "receive_error": named(failed, failed.receive_error) if failed else None,
+            "staged_bytes": sum(r.staged_bytes for r in replies)}

@@ -23,6 +23,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rollout_sidecar.server.weights.worker_replies import Reply
     from rollout_sidecar.server.weights.worker_requests import Request
 
 WORKER_METHOD = "rollout_sidecar_call"
@@ -54,25 +55,28 @@ class WorkerCallFailed(RuntimeError):
     failed before changing its model (a load refused everywhere), so the
     old weights still serve on all of them."""
 
-    def __init__(self, op: str, replies: list[dict]) -> None:
+    def __init__(self, op: str, replies: list[Reply]) -> None:
         self.op = op
         self.replies = replies
-        failed = [r for r in replies if not r.get("ok")]
-        self.untouched = len(failed) == len(replies) and all(r.get("untouched")
-                                                              for r in failed)
+        failed = [r for r in replies if not r.ok]
+        self.untouched = len(failed) == len(replies) and all(r.untouched for r in failed)
         super().__init__("; ".join(_named(r, len(replies)) for r in failed))
 
 
-def _named(reply: dict, ranks: int) -> str:
-    error = reply.get("error") or "failed"
-    return error if ranks == 1 else f"worker rank {reply.get('rank', '?')}: {error}"
+def _named(reply: Reply, ranks: int) -> str:
+    error = reply.error or "failed"
+    return error if ranks == 1 else f"worker rank {reply.rank}: {error}"
 
 
-async def call(llm: Any, op: WorkerOp | SideOp, **payload: Any) -> list[dict]:
-    """Run `op` on every worker and return every rank's reply, in rank order;
-    raise `WorkerCallFailed` naming each rank that failed."""
-    replies = await llm.collective_rpc(WORKER_METHOD, args=(op.value, payload))
-    if not all(r.get("ok") for r in replies):
+async def call(llm: Any, op: WorkerOp | SideOp, **payload: Any) -> list[Any]:
+    """Run `op` on every worker and return every rank's typed reply
+    (worker_replies.py: the op's class), in rank order; raise
+    `WorkerCallFailed` naming each rank that failed."""
+    from rollout_sidecar.server.weights.worker_replies import reply_of
+
+    replies = [reply_of(op, r) for r in
+               await llm.collective_rpc(WORKER_METHOD, args=(op.value, payload))]
+    if not all(r.ok for r in replies):
         raise WorkerCallFailed(op.value, replies)
     return replies
 

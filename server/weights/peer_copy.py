@@ -45,6 +45,7 @@ from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.in_process_push import Bucket, push_in_process
 from rollout_sidecar.server.weights.ops import SideOp
 from rollout_sidecar.server.weights.peer_auth import MAC_HEADER, PeerRefused, PeerSession
+from rollout_sidecar.server.weights.worker_replies import Staged
 
 if TYPE_CHECKING:
     from rollout_sidecar.server.weights.service import WeightService
@@ -67,7 +68,7 @@ class PeerCopy:
 
     # ------------------------------------------------------------ a peer's side
 
-    async def _read(self, bucket: int | None) -> dict:
+    async def _read(self, bucket: int | None) -> Staged:
         svc = self.service
         async with svc.session.lock:
             if (p := svc.session.current) is not None:
@@ -80,11 +81,15 @@ class PeerCopy:
 
     async def manifest(self) -> StagedCopy:
         reply = await self._read(None)
-        return StagedCopy(version=reply["version"], buckets=reply["manifest"])
+        if reply.version is None or reply.manifest is None:
+            raise PushConflict("no staged copy to read: worker rank 0 answered none")
+        return StagedCopy(version=reply.version, buckets=reply.manifest)
 
     async def bucket(self, index: int) -> tuple[int, bytes]:
         reply = await self._read(index)
-        return reply["version"], reply["data"]
+        if reply.version is None or reply.data is None:
+            raise PushConflict("no staged copy to read: worker rank 0 answered none")
+        return reply.version, reply.data
 
     # ---------------------------------------------------- the new replica's side
 

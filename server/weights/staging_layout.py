@@ -28,6 +28,7 @@ from typing import Any
 
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.ops import SideOp
+from rollout_sidecar.server.weights.worker_replies import Host
 from rollout_sidecar.server.weights.worker_requests import Layout
 
 GIB = 2**30
@@ -175,9 +176,9 @@ def _size(nbytes: int) -> str:
 
 async def survey(llm: Any) -> list[WorkerHost]:
     """Every worker's report of its host (SideOp.HOST)."""
-    replies = await ops.call(llm, SideOp.HOST)
-    return [WorkerHost(r["rank"], r["dp_index"], r["host"], r["shm"], r["shm_free"],
-                       r["shm_total"], r["net"]) for r in replies]
+    replies: list[Host] = await ops.call(llm, SideOp.HOST)
+    return [WorkerHost(r.rank, r.dp_index, r.host, r.shm, r.shm_free, r.shm_total, r.net)
+            for r in replies]
 
 
 async def assign(llm: Any, layout: StagingLayout, boot_id: str) -> None:

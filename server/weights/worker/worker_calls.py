@@ -2,8 +2,9 @@
 
 vLLM's executor stops reading replies at the first failed rank (see ops.py),
 so a raise on one TP worker would put every later reply out of step. Here each
-call's outcome is caught and returned as `{"rank", "ok", "error",
-"untouched", ...}`, and the API process reads every rank's and decides.
+call's outcome is caught and returned as the op's typed reply
+(worker_replies.py: rank, ok, error, untouched, then what the op reports),
+and the API process reads every rank's and decides.
 
 vLLM's weight-update session is opened with the receive and closed by FINISH
 (after a load) or ABORT (anything else), on every rank, whatever happened on
@@ -22,6 +23,7 @@ from typing import Any
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.worker.draft_loading import drafter_of
 from rollout_sidecar.server.weights.worker.reload import LoadRefused
+from rollout_sidecar.server.weights.worker_replies import REPLIES, Reply, wire
 from rollout_sidecar.server.weights.worker_requests import parse
 
 log = logging.getLogger(__name__)
@@ -35,9 +37,10 @@ SIDE_OP_STACKS_AFTER_S = 15.0
 
 
 def run_call(worker: Any, op: str, payload: dict) -> dict:
-    """One rank's answer to one call."""
+    """One rank's answer to one call: its typed reply, on the wire."""
     pc = worker.parallel_config
     rank = pc.data_parallel_index * pc.world_size + worker.rank
+    kind = next((REPLIES[o] for o in (*WorkerOp, *SideOp) if o.value == op), Reply)
     try:
         engine = worker.weight_transfer_engine
         if engine is None:
@@ -52,11 +55,11 @@ def run_call(worker: Any, op: str, payload: dict) -> dict:
                 faulthandler.cancel_dump_traceback_later()
         else:
             data = _worker_op(worker, engine, WorkerOp(op), payload)
-        return {"rank": rank, "ok": True, **(data or {})}
+        return wire(kind(rank=rank, ok=True, **(data or {})))
     except Exception as e:
         log.warning("rank %d: %s failed: %s", rank, op, e)
-        return {"rank": rank, "ok": False, "error": str(e) or type(e).__name__,
-                "untouched": isinstance(e, LoadRefused)}
+        return wire(kind(rank=rank, ok=False, error=str(e) or type(e).__name__,
+                         untouched=isinstance(e, LoadRefused)))
 
 
 def _session_open(worker: Any) -> bool:
