@@ -142,7 +142,7 @@ def apply(patch: Patch, base: torch.Tensor) -> None:
 # A patch slot in a bucket: its positions, padded to POSITION_ALIGN bytes, then
 # its values (so they stay aligned for any dtype). The sizes follow from the
 # form, the tensor's element count and the number of changes alone
-# (weights_api.patch_nbytes), so a manifest says them before any diff is sent.
+# (manifest_api.patch_nbytes), so a manifest says them before any diff is sent.
 
 
 def from_positions(form: PatchForm, numel: int, where: torch.Tensor, values: torch.Tensor

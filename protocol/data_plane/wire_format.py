@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from rollout_sidecar.protocol.schema.weights_api import TensorSlot
+from rollout_sidecar.protocol.schema.manifest_api import TensorSlot
 
 
 @functools.cache

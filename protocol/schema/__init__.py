@@ -1,5 +1,6 @@
 """The wire types (pydantic only: no torch, no httpx), re-exported here:
 `generate_api` (the generation API), `weights_api` (the push control plane),
+`manifest_api` (what a push carries), `status_api` (what a server says of its weights),
 `adapter_api` (LoRA adapters), `fields` (shared field types), `endpoints`
 (the servers' URLs and the bearer header); `routes` (every route: method,
 path, access, request and answer types) is imported as a module."""
@@ -26,6 +27,13 @@ from rollout_sidecar.protocol.schema.generate_api import (
     Usage,
     VersionSpan,
 )
+from rollout_sidecar.protocol.schema.manifest_api import BucketManifest, PatchInfo, TensorSlot
+from rollout_sidecar.protocol.schema.status_api import (
+    StagedCopy,
+    TensorInfo,
+    WeightIndex,
+    WeightStatus,
+)
 from rollout_sidecar.protocol.schema.weights_api import (
     CAPABILITIES,
     CHAIN_RING,
@@ -38,7 +46,6 @@ from rollout_sidecar.protocol.schema.weights_api import (
     AbortRequest,
     BeginRequest,
     BeginResponse,
-    BucketManifest,
     Check,
     CommitRequest,
     CommitResponse,
@@ -47,17 +54,11 @@ from rollout_sidecar.protocol.schema.weights_api import (
     DisconnectRequest,
     DisconnectResponse,
     LastPush,
-    PatchInfo,
     PrepareRequest,
     PrepareResponse,
     ProbeRequest,
     ProbeResult,
-    StagedCopy,
-    TensorInfo,
-    TensorSlot,
     Transport,
-    WeightIndex,
-    WeightStatus,
 )
 
 __all__ = [

@@ -20,6 +20,7 @@ from enum import Enum
 from pydantic import BaseModel, SecretStr
 
 from rollout_sidecar.protocol.schema import generate_api as g
+from rollout_sidecar.protocol.schema import status_api as st
 from rollout_sidecar.protocol.schema import weights_api as w
 
 
@@ -77,8 +78,8 @@ TOKENS_GENERATE = Route("POST", "/inference/v1/generate", Access.API, in_schema=
 # The push's control plane (the admin token; what a catching-up peer reads
 # also takes its proof, and the challenge that starts the proof is open).
 PEER_CHALLENGE = Route("POST", "/weights/peer/challenge", Access.OPEN)
-STATUS = Route("GET", "/weights/status", Access.PEER, response=w.WeightStatus)
-INDEX = Route("GET", "/weights/index", Access.ADMIN, response=w.WeightIndex)
+STATUS = Route("GET", "/weights/status", Access.PEER, response=st.WeightStatus)
+INDEX = Route("GET", "/weights/index", Access.ADMIN, response=st.WeightIndex)
 PROBE = Route("POST", "/weights/probe", Access.ADMIN, w.ProbeRequest, w.ProbeResult)
 CONNECT = Route("POST", "/weights/connect", Access.ADMIN, w.ConnectRequest, w.ConnectResponse)
 DISCONNECT = Route("POST", "/weights/disconnect", Access.ADMIN, w.DisconnectRequest,
@@ -88,7 +89,7 @@ BUCKET = Route("PUT", "/weights/bucket/{index}", Access.ADMIN)  # the bucket's b
 PREPARE = Route("POST", "/weights/prepare", Access.ADMIN, w.PrepareRequest, w.PrepareResponse)
 COMMIT = Route("POST", "/weights/commit", Access.ADMIN, w.CommitRequest, w.CommitResponse)
 ABORT = Route("POST", "/weights/abort", Access.ADMIN, w.AbortRequest, w.LastPush)
-STAGED = Route("GET", "/weights/staged", Access.PEER, response=w.StagedCopy)
+STAGED = Route("GET", "/weights/staged", Access.PEER, response=st.StagedCopy)
 STAGED_BUCKET = Route("GET", "/weights/staged/{index}", Access.PEER)  # the bucket's bytes
 
 # SkyRL's RemoteInferenceClient (server/skyrl_api): control calls take the

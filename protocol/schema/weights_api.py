@@ -1,5 +1,6 @@
-"""Wire types of the push protocol: the /weights/* control plane and the
-bucket manifest that describes the data plane's bytes (pydantic only).
+"""Wire types of the push protocol's control plane: the /weights/* requests
+and answers of a push (pydantic only). What a push carries, its manifest,
+is manifest_api.py; what a server says of its weights, status_api.py.
 
 Vocabulary: *allocate* lays out staging for a manifest; *check* is the CRC and
 coverage check of what arrived; *prepare* is phase 1 of a commit across
@@ -11,20 +12,18 @@ with transport "http", as bodies of PUT /weights/bucket/{index}.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from rollout_sidecar.protocol.schema.adapter_api import AdapterSpec, LoraStatus
-from rollout_sidecar.protocol.schema.drafter_api import DrafterStatus, DraftOutcome
+from rollout_sidecar.protocol.schema.adapter_api import AdapterSpec
+from rollout_sidecar.protocol.schema.drafter_api import DraftOutcome
 from rollout_sidecar.protocol.schema.fields import (
     Bool,
     CommitPolicy,
     Float,
     Int,
-    NonNegative,
     Port,
     Positive,
     ReplyModel,
@@ -32,6 +31,7 @@ from rollout_sidecar.protocol.schema.fields import (
     StrictModel,
     not_null,
 )
+from rollout_sidecar.protocol.schema.manifest_api import BucketManifest
 from rollout_sidecar.protocol.transports import TRANSPORTS
 
 # The names of protocol/transports.py's table: a new row is a new wire name.
@@ -59,119 +59,6 @@ _HEX_SECRET = re.compile(r"(?:[0-9a-fA-F]{2})+")
 def _hex_secret_schema(schema: dict) -> None:
     not_null(schema)
     schema["pattern"] = f"^{_HEX_SECRET.pattern}$"  # what the validator enforces
-
-
-PatchFormName = Literal["dense", "index", "gaps", "bitmap"]
-POSITION_ALIGN = 8  # a patch's values start at a multiple of this, after its positions
-# Every slot starts at a multiple of this in its bucket (any dtype's view is
-# aligned), and a bucket is its slots padded to it at most.
-SLOT_ALIGN = 64
-
-
-def dtype_itemsize(name: str) -> int:
-    """Bytes per element of the torch dtype `name` ("bfloat16" -> 2), read off
-    its name without torch: its bits, a byte at least (bool, and sub-byte or
-    packed dtypes, take one). torch's own for every torch dtype (tested)."""
-    bits = re.search(r"\d+", name)
-    if name != "bool" and bits is None:
-        raise ValueError(f"unknown dtype {name!r}")
-    return max(1, int(bits.group()) // 8) if bits else 1
-
-
-def patch_nbytes(form: str, numel: int, changed: int, itemsize: int) -> int:
-    """Bytes of one patch slot: its positions (int32 indices, uint16 gaps or
-    a bitmap; none when dense), padded to POSITION_ALIGN, then the changed
-    values (protocol/data_plane/delta_codec.py reads and writes them)."""
-    positions = {"dense": 0, "index": 4 * changed, "gaps": 2 * changed,
-                 "bitmap": (numel + 7) // 8}[form]
-    return -(-positions // POSITION_ALIGN) * POSITION_ALIGN + changed * itemsize
-
-
-class PatchInfo(StrictModel):
-    """A delta push's entry: the tensor's changes since the push's `delta_base`."""
-
-    form: PatchFormName = Field(description="How the changed positions are written: "
-                                "`index` (int32 flat positions), `gaps` (uint16 distances "
-                                "from the previous position, the first from 0), `bitmap` "
-                                "(one bit per element, LSB first), or `dense` (every value, "
-                                "no positions).")
-    changed: Int = Field(ge=0, description="Changed elements: the values after the "
-                         "positions (every element for `dense`).")
-
-
-class TensorSlot(StrictModel):
-    """Where one tensor, or one chunk of it, sits inside a packed bucket: the
-    one manifest entry type, built by the trainer's planner, sent in
-    `POST /weights/begin`, staged and checked by the server.
-
-    Floating tensors travel in the serving dtype; integer and bool tensors
-    (persistent buffers such as routing tables) in their own. A tensor larger
-    than a bucket, or sent by several trainer ranks (each its own rows), is
-    split: its chunks carry `chunk_offset` and `nbytes` and cover its bytes
-    exactly once. A server with the capability `chunks:interleaved` takes
-    them in any order and anywhere in the manifest; an older one, in
-    consecutive entries and in order."""
-
-    name: str
-    dtype: str
-    shape: list[Int] = Field(description="The whole tensor's shape, also for a chunk.")
-    offset: Int = Field(description="Byte offset in the bucket; aligned to the dtype size.")
-    chunk_offset: Int | None = Field(
-        None, json_schema_extra=not_null,
-        description="A chunk: where it starts in the tensor's bytes (C order, wire dtype). "
-        "Absent: the entry is the whole tensor.")
-    nbytes: Int | None = Field(None, json_schema_extra=not_null,
-                               description="A chunk: its length in bytes; with chunk_offset.")
-    patch: PatchInfo | None = Field(
-        None, json_schema_extra=not_null,
-        description="A delta push's entry (the push names `delta_base`): the slot holds the "
-        "tensor's changes, encoded, not the tensor. Never split.")
-
-    @property
-    def numel(self) -> int:
-        """Elements of the whole tensor."""
-        return math.prod(self.shape)
-
-    @property
-    def tensor_nbytes(self) -> int:
-        """Bytes of the whole tensor in its wire dtype."""
-        return self.numel * dtype_itemsize(self.dtype)
-
-    @property
-    def length(self) -> int:
-        """Bytes this entry occupies in its bucket: the chunk, the patch, or
-        the whole tensor."""
-        if self.patch is not None:
-            return patch_nbytes(self.patch.form, self.numel, self.patch.changed,
-                                dtype_itemsize(self.dtype))
-        return self.nbytes if self.chunk_offset is not None and self.nbytes is not None \
-            else self.tensor_nbytes
-
-    @property
-    def first(self) -> bool:
-        """The entry where the tensor's bytes begin (the trainer draws it here)."""
-        return not self.chunk_offset
-
-    @property
-    def last(self) -> bool:
-        """The entry where the tensor's bytes end (the trainer drops it after)."""
-        return self.chunk_offset is None or self.chunk_offset + self.length == self.tensor_nbytes
-
-
-class BucketManifest(StrictModel):
-    index: Int
-    nbytes: Int
-    params: list[TensorSlot]
-    sender: NonNegative | None = Field(
-        None, json_schema_extra=not_null,
-        description="gloo/NCCL: the trainer's data-plane rank that sends this bucket, below "
-        "the connection's `senders`. Absent: rank 0, the one sender of a trainer that "
-        "predates every-rank sending.")
-
-    @property
-    def source(self) -> int:
-        """The data-plane rank this bucket comes from."""
-        return self.sender or 0
 
 
 class ConnectRequest(StrictModel):
@@ -385,94 +272,3 @@ class ProbeResult(ReplyModel):
     drift_tolerance: float | None = None
     drifted: bool = Field(False, description="Passed, but over `drift_tolerance`: a warning, "
                           "not a verdict (the version is not marked suspect).")
-
-
-class TensorInfo(BaseModel):
-    shape: list[int]
-    dtype: str = Field(description="dtype a push carries it in.")
-
-
-class WeightIndex(BaseModel):
-    """`GET /weights/index`: what a push must carry."""
-
-    tensors: dict[str, TensorInfo] = Field(
-        description="Every tensor a push must carry: parameters and persistent buffers.")
-    ignored: list[str] = Field(
-        description="Checkpoint tensors vLLM drops at load (e.g. rotary_emb.inv_freq): never "
-        "pushed.")
-    tie_word_embeddings: bool
-    draft: list[str] = Field(
-        default_factory=list, description="Of `tensors`, the speculative drafter's (`draft.` "
-        "names): a push carries all of them (the drafter synced) or none (frozen).")
-
-
-class WeightStatus(ReplyModel):
-    weight_version: int
-    dtype: str
-    quantization: str | None = Field(
-        None, description="vLLM's online quantization scheme (`serve --quantization`), or "
-        "null. Pushes carry `dtype`; every one is re-quantized as a fresh load would be.")
-    vocab_size: int
-    max_model_len: int
-    boot_id: str = Field(description="New at every server start: a change means the server "
-                         "restarted, back on its checkpoint's weights.")
-    push_state: Literal["idle", "receiving", "checking", "prepared", "committing"]
-    push_in_progress: bool
-    push_id: str | None = None
-    connected: str | None = Field(description="Connection id of the data plane, if any.")
-    data_plane_port: int
-    data_plane_ranks: int = Field(1, description="Workers of this server in the data-plane "
-                                  "group: TP x PP x DP, or one per host and engine where the "
-                                  "workers share a staged copy (`staging_layout`).")
-    staging_layout: str | None = Field(
-        None, description="Where this server's workers stage a push, as decided at start: "
-        "one copy per host in /dev/shm (its first worker receives) or one per worker, and "
-        "why (docs/deploy.md, \"Sizing /dev/shm\").")
-    transports: list[str]
-    capabilities: list[str] = Field(
-        default_factory=list, description="What this server takes beyond the first protocol, "
-        "for a trainer to ask before it uses it: `senders` (buckets from several trainer "
-        "ranks, `ConnectRequest.senders`), `senders:nccl` (the same over NCCL), "
-        "`check:sum64` (`BeginRequest.check`), `chunks:interleaved` (a split tensor's chunks "
-        "in any order: `TensorSlot`), `chain:ring` (`ConnectRequest.ring_starts`), `draft` "
-        "(a drafter that takes pushes).")
-    requires: list[str] = Field(
-        default_factory=list, description="What this server refuses a connect without: "
-        "`data_plane_secret` (`ConnectRequest.secret`), `bucket_macs` (every bucket tagged "
-        "with it; WeightPusher then tags its buckets).")
-    push_timeout_s: float = Field(description="The deadline of one push, begin to commit.")
-    commit_drain_s: float = Field(description="Longest wait for in-flight requests at a commit.")
-    broken: str | None = Field(None, description="Set after a load failed mid-commit: "
-                               "/generate answers 503 until a push succeeds.")
-    last_push: LastPush | None = None
-    last_probe: ProbeResult | None = Field(
-        None, description="The trainer's post-push probe of the latest version that ran one.")
-    suspect: str | None = Field(
-        None, description="Why the served version is suspect (its probe failed), else null.")
-    delta_base: int | None = Field(
-        None, description="The version this replica's staged copy holds, bit for bit: the "
-        "base a delta push must name. Null after a restart or a failed load, and while a "
-        "dense push is under way: the next push must be dense.")
-    lora: LoraStatus | None = Field(
-        None, description="LoRA adapter pushes: null unless the server was started with "
-        "--enable-lora.")
-    catch_up: dict[str, float | int | str | dict[str, str]] | None = Field(
-        None, description="This replica's catch-up from a peer at start (--peers): the peer, "
-        "the version, seconds from the catch-up's start to finding it, receiving it and "
-        "committing it, or why it did not happen; `refused`: each peer that could not prove "
-        "it holds the admin token, and why. Null without peers.")
-    drafter: DrafterStatus | None = Field(
-        None, description="The speculative drafter (`serve --speculative-config`), or null.")
-    staged_bytes: int | None = Field(
-        None, description="Bytes of staging buffers all of this server's workers held when "
-        "the last push ended (the staged copy a delta applies to, plus pooled buffers; "
-        "docs/gpu.md gives the formula). Null before the first push.")
-
-
-class StagedCopy(BaseModel):
-    """`GET /weights/staged`: the version this replica's staged copy holds bit
-    for bit and its buckets, for a replica catching up from it (each bucket's
-    bytes at `GET /weights/staged/{index}`)."""
-
-    version: int
-    buckets: list[BucketManifest]

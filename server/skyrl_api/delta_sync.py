@@ -48,7 +48,7 @@ from safetensors import SafetensorError, safe_open
 
 from rollout_sidecar.protocol.data_plane.wire_format import torch_dtype
 from rollout_sidecar.protocol.schema import BeginRequest, BucketManifest, TensorSlot
-from rollout_sidecar.protocol.schema.weights_api import SLOT_ALIGN
+from rollout_sidecar.protocol.schema.manifest_api import SLOT_ALIGN
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.skyrl_api import served_base
 from rollout_sidecar.server.weights.in_process_push import Bucket, push_in_process

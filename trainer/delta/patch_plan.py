@@ -30,7 +30,7 @@ import torch
 from rollout_sidecar.protocol.data_plane.delta_codec import PatchForm
 from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
 from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
-from rollout_sidecar.protocol.schema.weights_api import PatchInfo, patch_nbytes
+from rollout_sidecar.protocol.schema.manifest_api import PatchInfo, patch_nbytes
 from rollout_sidecar.trainer.pack.buckets import ALIGN
 
 GAP_LIMIT = 1 << 16

@@ -19,7 +19,7 @@ import torch
 
 from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
 from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
-from rollout_sidecar.protocol.schema.weights_api import SLOT_ALIGN
+from rollout_sidecar.protocol.schema.manifest_api import SLOT_ALIGN
 from rollout_sidecar.trainer.gather.full_tensors import ParamInfo
 
 ALIGN = SLOT_ALIGN  # bytes; keeps every tensor view aligned for any dtype
