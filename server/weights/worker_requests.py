@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from rollout_sidecar.protocol.schema import BucketManifest
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
@@ -149,3 +149,14 @@ def parse(op: WorkerOp | SideOp, fields: dict[str, Any]) -> Request:
         return cls(**fields)
     except TypeError as e:
         raise ValueError(f"{op.value}: {e}") from None
+
+
+R = TypeVar("R", bound=Request)
+
+
+def parse_as(cls: type[R], fields: dict[str, Any]) -> R:
+    """`parse`, for a caller that dispatched on the op already."""
+    request = parse(cls.op, fields)
+    if not isinstance(request, cls):
+        raise ValueError(f"{cls.op.value}: not a {cls.__name__}")
+    return request

@@ -9,6 +9,7 @@ The model changes only in a `Load`, and only with a complete,
 CRC-checked set of buckets; the load itself is all-or-nothing (reload.py).
 `finish_weight_update` releases the patches and forgets the push, so a later
 `discard` leaves the staged copy alone: it stays, the base of the next delta.
+The `SideOp`s, outside the session, are side_channel.py's.
 
 How the bytes arrive is the receive path's (receive_paths.py: the trainer's
 group, or HTTP bodies). Blocking work (joining the group, receiving buckets)
@@ -33,7 +34,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from rollout_sidecar.protocol.failpoints import fire
-from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
+from rollout_sidecar.server.weights.ops import WorkerOp
 from rollout_sidecar.server.weights.worker.adapter_loading import (
     split_adapter,
     stage_adapter,
@@ -41,7 +42,7 @@ from rollout_sidecar.server.weights.worker.adapter_loading import (
 from rollout_sidecar.server.weights.worker.bucket_receive import ReceiveThread
 from rollout_sidecar.server.weights.worker.draft_loading import draft_load, split_draft
 from rollout_sidecar.server.weights.worker.group_membership import GroupMembership, StagedInitInfo
-from rollout_sidecar.server.weights.worker.host_share import StagingRole, host_view
+from rollout_sidecar.server.weights.worker.host_share import StagingRole
 from rollout_sidecar.server.weights.worker.load_failpoints import (
     corrupt_arrived,
     loaded_with_failpoints,
@@ -49,17 +50,15 @@ from rollout_sidecar.server.weights.worker.load_failpoints import (
 from rollout_sidecar.server.weights.worker.patching import ResidentCopy, apply_patches
 from rollout_sidecar.server.weights.worker.receive_paths import GroupReceive, HttpStage
 from rollout_sidecar.server.weights.worker.reload import LoadRefused, load_all_or_nothing
+from rollout_sidecar.server.weights.worker.side_channel import SideChannel
 from rollout_sidecar.server.weights.worker.staging import Staging
 from rollout_sidecar.server.weights.worker_requests import (
     Allocate,
     Check,
-    Layout,
     Load,
     OpenPush,
     Patch,
-    Read,
     Receive,
-    Relabel,
     Stage,
     WorkerRequest,
     parse,
@@ -68,7 +67,7 @@ from rollout_sidecar.server.weights.worker_requests import (
 log = logging.getLogger(__name__)
 
 
-class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
+class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInfo, Any]):
     init_info_cls = StagedInitInfo
     # vLLM loads a drafter in a session of its own; ours loads with the target
     # (draft_loading.py), so vLLM's separate draft update stays off.
@@ -92,74 +91,6 @@ class StagedWeightTransferEngine(WeightTransferEngine[StagedInitInfo, Any]):
         # The speculative drafter's model and config, if any (draft_loading.py);
         # worker_calls.py binds it, since vLLM hands an engine the target alone.
         self.drafter: tuple[torch.nn.Module, Any] | None = None
-
-    # ------------------------------------------------------------ side channel
-
-    def side_call(self, op: str, payload: dict) -> dict:
-        op = SideOp(op)
-        if op is SideOp.CONNECT:
-            self.init_transfer_engine(self.parse_init_info(payload))
-        elif op is SideOp.DISCONNECT:
-            self.shutdown()
-        elif op is SideOp.HOST:
-            return {**host_view(), "dp_index": self.parallel_config.data_parallel_index}
-        elif op is SideOp.READ:
-            return self._read(parse(op, payload)) if self._worker_rank() == 0 else {}
-        elif op in (SideOp.RELABEL, SideOp.LAYOUT):
-            match parse(op, payload):
-                case Relabel() as r:
-                    if self._push is not None:
-                        raise RuntimeError("relabel while a push is staged")
-                    self.resident.require(r.base)
-                    self.resident.version = r.version
-                case Layout() as layout:
-                    self._take_role(StagingRole.assigned(layout, self._worker_rank()))
-        return self._state()
-
-    def _read(self, request: Read) -> dict:
-        """The staged copy for a peer (worker_requests.Read): it holds version
-        `resident.version` bit for bit, or there is nothing to read."""
-        version = self.resident.version
-        if self._push is not None or version is None:
-            raise RuntimeError("no complete version is staged here (a push is under way, or "
-                               "none since the start)")
-        if request.bucket is None:
-            return {"version": version, "manifest": [
-                {"index": b.index, "nbytes": b.nbytes,
-                 "params": [p.model_dump(exclude_none=True) for p in b.params]}
-                for b in self.staging.buckets]}
-        if not 0 <= request.bucket < len(self.staging.buckets):
-            raise ValueError(f"bucket {request.bucket} is not in the staged copy "
-                             f"({len(self.staging.buckets)} buckets)")
-        self.staging.attach()  # shared staging: the leader's files, mapped
-        try:
-            b = self.staging.buckets[request.bucket]
-            return {"version": version, "data": b.buffer.cpu().numpy().tobytes()}
-        finally:
-            self.staging.detach()
-
-    def _take_role(self, role: StagingRole) -> None:
-        """Stage as `role` says from now on (host_share.py); between pushes."""
-        if self._push is not None:
-            raise RuntimeError("layout while a push is staged")
-        self.shutdown()
-        for s in (self.staging, self.patches, self.delta):
-            s.drop_pool()
-        self.resident.version = None
-        self.role = role
-        self.staging.shared = role.buffers("staging")
-        self.patches.shared = role.buffers("patches")
-
-    def _state(self) -> dict:
-        recv = "failed" if self._error else "running" if self._receiving() else "idle"
-        return {"connection": self.connection.state(), "receive": recv,
-                "receive_error": str(self._error) if self._error else None,
-                "staged_bytes": self.staged_bytes}
-
-    @property
-    def staged_bytes(self) -> int:
-        """Staging buffers held: the staged copy, patches, pooled buffers."""
-        return self.staging.held_bytes + self.patches.held_bytes + self.delta.held_bytes
 
     # --------------------------------------------------------------- connection
 
