@@ -42,7 +42,7 @@ def _default_text(field: FieldInfo) -> str:
 
 
 def _parameter(name: str, field: FieldInfo) -> inspect.Parameter:
-    kind = _unwrap(field.annotation)
+    kind: Any = _unwrap(field.annotation)
     flag = "--" + name.replace("_", "-")
     env = ENV_PREFIX + name.upper()
     # Parentheses, not brackets: rich would read [..] as markup.
@@ -56,7 +56,7 @@ def _parameter(name: str, field: FieldInfo) -> inspect.Parameter:
         option = typer.Option(None, flag, help=help_text, show_default=False,
                               case_sensitive=False)
         choices = [str(a) for a in typing.get_args(kind)]
-        kind = enum.Enum(name, {c: c for c in choices}, type=str)  # typer's choice type
+        kind = enum.Enum(name, {c: c for c in choices}, type=str)  # type: ignore[misc,no-redef]
     else:
         option = typer.Option(None, flag, help=help_text, show_default=False)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,

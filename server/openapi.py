@@ -31,8 +31,9 @@ _PROBES = {routes.HEALTH.path, routes.READY.path}
 _ERRORS = {routes.GENERATE.path: ["400", "401", "409", "413", "422", "503"],
            routes.INFO.path: ["401", "503"], routes.PEER_CHALLENGE.path: ["400", "413", "422"]}
 _ADMIN_ERRORS = ["400", "401", "403", "409", "413", "422", "503"]
-_SECURITY = {Access.API: [{"apiToken": []}, {}], Access.ADMIN: [{"adminToken": []}],
-             Access.PEER: [{"adminToken": []}]}
+_SECURITY: dict[Access, list[dict[str, list]]] = {
+    Access.API: [{"apiToken": []}, {}], Access.ADMIN: [{"adminToken": []}],
+    Access.PEER: [{"adminToken": []}]}
 
 
 def _errors(path: str) -> list[str]:

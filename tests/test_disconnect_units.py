@@ -48,8 +48,8 @@ def _engine(llm: _FakeLLM) -> SimpleNamespace:
     """A fake `Engine` (unit test): what the weight service reads of one."""
     from rollout_sidecar.server.engine.version_gate import VersionGate
 
-    return SimpleNamespace(llm=llm, info=SimpleNamespace(workers=1, shared_staging=False),
-                           gate=VersionGate(0))
+    return SimpleNamespace(llm=llm, running=lambda: llm, gate=VersionGate(0),
+                           info=SimpleNamespace(workers=1, shared_staging=False))
 
 
 def _settings(**required: bool):

@@ -63,6 +63,7 @@ class FakeLLM:
 
 class FakeEngine:
     watch = GenerationEngine.watch
+    running = GenerationEngine.running
     unwatch = GenerationEngine.unwatch
 
     def __init__(self) -> None:

@@ -54,7 +54,7 @@ def crc32(buf: torch.Tensor, running: int = 0) -> int:
     return _crc32(memoryview((buf if buf.is_cpu else buf.cpu()).numpy()), running)
 
 
-def crc32_of_bytes(data: bytes | memoryview) -> int:
+def crc32_of_bytes(data: bytes | bytearray | memoryview) -> int:
     """CRC-32 of bytes already on the host (an HTTP body)."""
     return _crc32(data)
 

@@ -12,15 +12,18 @@ it; app.py hands it to weights/).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from rollout_sidecar.server.config import ServerSettings
     from rollout_sidecar.server.engine.adapter_table import AdapterTable
     from rollout_sidecar.server.engine.drafter import Drafter
     from rollout_sidecar.server.engine.lifecycle import EngineInfo
     from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track
     from rollout_sidecar.server.engine.version_gate import VersionGate
+    from rollout_sidecar.server.engine.vllm_surface import Collector, VllmEngine
     from rollout_sidecar.server.metrics.collectors import ServerMetrics
     from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 
@@ -37,14 +40,17 @@ class Engine(Protocol):
     adapters: AdapterTable
     drafter: Drafter | None  # serve --speculative-config
     tracker: RequestTracker
-    llm: Any  # vLLM's AsyncLLM once started (its type is vLLM's, imported lazily)
-    tokenizer: Any
+    llm: VllmEngine | None  # vLLM's AsyncLLM once started (engine/vllm_surface.py)
+    tokenizer: PreTrainedTokenizerBase | None
     info: EngineInfo | None
 
     async def start(self) -> None: ...
+    def running(self) -> VllmEngine:
+        """vLLM's engine; raises if it is not started (or shut down)."""
+        ...
     async def check_health(self) -> None: ...
     def shutdown(self) -> None: ...
-    def watch(self, collector: Any) -> Track: ...
+    def watch(self, collector: Collector) -> Track: ...
     def unwatch(self, track: Track) -> None: ...
     def freeze_finished(self) -> None: ...
     async def restart_lagging(self, version: int) -> None: ...

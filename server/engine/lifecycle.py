@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine import engine_config
@@ -25,6 +25,11 @@ from rollout_sidecar.server.engine.request_tracking import RequestTracker, Track
 from rollout_sidecar.server.engine.version_gate import VersionGate
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rollout_sidecar.server.engine.vllm_surface import Collector, VllmEngine
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +61,8 @@ class GenerationEngine:
         # Which LoRA adapter each version serves with (None: the full weights alone).
         self.adapters = AdapterTable(settings, boot_id)
         self.tracker = RequestTracker(self.gate)
-        self.llm: Any = None
-        self.tokenizer: Any = None
+        self.llm: VllmEngine | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         self.info: EngineInfo | None = None
 
     async def start(self) -> None:
@@ -66,14 +71,15 @@ class GenerationEngine:
 
         config = engine_config.build(self.settings, self.model_path, self.index)
         log.info("engine defaults: %s", config.why)
-        self.llm = AsyncLLM.from_vllm_config(
+        llm: VllmEngine = AsyncLLM.from_vllm_config(
             config.vllm_config, stat_loggers=[self.metrics.stat_logger_factory()]
         )
+        self.llm = llm
         # The label vLLM stamps on every step's outputs (engine/version_spans.py):
         # ours from the first token, never vLLM's "default".
-        await self.llm.update_weight_version(str(self.gate.version))
+        await llm.update_weight_version(str(self.gate.version))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        mc = self.llm.model_config
+        mc = llm.model_config
         self.info = EngineInfo(
             model=str(self.model_path),
             dtype=str(mc.dtype).removeprefix("torch."),
@@ -84,8 +90,13 @@ class GenerationEngine:
             quantization=mc.quantization,
         )
 
+    def running(self) -> VllmEngine:
+        if self.llm is None:
+            raise RuntimeError("the engine is not started (or was shut down)")
+        return self.llm
+
     async def check_health(self) -> None:
-        await self.llm.check_health()
+        await self.running().check_health()
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -94,7 +105,7 @@ class GenerationEngine:
 
     # ------------------------------------------------ what the routes call
 
-    def watch(self, collector: Any) -> Track:
+    def watch(self, collector: Collector) -> Track:
         """Track a request submitted outside `generate` (the /v1 routes,
         openai_api/compat.py), so that `freeze_finished` sees it too."""
         return self.tracker.watch(collector)
@@ -115,5 +126,5 @@ class GenerationEngine:
         if behind:
             self.metrics.lag_restarts.inc(len(behind))
             # A run the abort misses ends on its own; its request drops it all the same.
-            await abort_quietly(self.llm.abort([t.collector.request_id for t in behind],
-                                               internal=True))
+            await abort_quietly(self.running().abort(
+                [t.collector.request_id for t in behind], internal=True))

@@ -15,9 +15,12 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_sidecar.server.engine.version_gate import VersionGate
+
+if TYPE_CHECKING:
+    from rollout_sidecar.server.engine.vllm_surface import Collector
 
 
 @dataclass(eq=False)
@@ -26,7 +29,7 @@ class Track:
     With a lag bound (`max_lag`): the version its current run started under
     (`since`), and whether a commit stopped that run to start it again."""
 
-    collector: Any
+    collector: Collector
     finish_version: int | None = None
     max_lag: int | None = None
     since: int = 0
@@ -51,7 +54,7 @@ class RequestTracker:
         self.gate = gate
         self.tracks: set[Track] = set()
 
-    def watch(self, collector: Any) -> Track:
+    def watch(self, collector: Collector) -> Track:
         """Track one submitted request (its vLLM output collector)."""
         track = Track(collector)
         self.tracks.add(track)

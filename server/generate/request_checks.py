@@ -61,7 +61,8 @@ async def prompt_token_ids(req: GenerateRequest, tokenizer: Any, max_model_len: 
                 raise BadRequest(f"prompts[{i}] is {n} bytes; at most {max_prompt_bytes} "
                                  f"(max_model_len {max_model_len} tokens)", f"prompts[{i}]")
         # Off the event loop: a long prompt takes seconds to tokenise.
-        ids = await asyncio.to_thread(lambda: [tokenizer(p).input_ids for p in req.prompts])
+        prompts = req.prompts or []
+        ids = await asyncio.to_thread(lambda: [tokenizer(p).input_ids for p in prompts])
     else:
         field, ids = "prompt_token_ids", req.prompt_token_ids or []
     for i, p in enumerate(ids):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_sidecar.protocol.schema import GenerateRequest, GenerateResponse, SamplingConfig
 from rollout_sidecar.server.engine.engine_api import Engine
@@ -20,6 +20,9 @@ from rollout_sidecar.server.engine.request_tracking import Track, abort_quietly
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.generate import request_checks
 from rollout_sidecar.server.generate.response import build_response
+
+if TYPE_CHECKING:
+    from rollout_sidecar.server.engine.vllm_surface import Collector
 
 
 class GenerateService:
@@ -59,8 +62,9 @@ class GenerateService:
                 for i, (t, ids) in enumerate(zip(tracks, prompt_ids, strict=True))])
         except BaseException:  # cancelled (client gone) or failed: free the engine
             # The collectors hold vLLM's internal ids (it suffixes ours).
-            await abort_quietly(e.llm.abort([t.collector.request_id for t in tracks
-                                             if t.finish_version is None], internal=True))
+            await abort_quietly(e.running().abort(
+                [t.collector.request_id for t in tracks if t.finish_version is None],
+                internal=True))
             raise
         finally:
             tracker.unwatch_all(tracks)
@@ -82,11 +86,12 @@ class GenerateService:
             track.collector = await self._submit(ids, params, f"{request_id}-r{track.restarts}",
                                                  track.since)
 
-    async def _submit(self, ids: list[int], params: Any, request_id: str, version: int) -> Any:
+    async def _submit(self, ids: list[int], params: Any, request_id: str, version: int
+                      ) -> Collector:
         from vllm.exceptions import VLLMError
         from vllm.inputs import TokensPrompt
 
-        llm = self.engine.llm
+        llm = self.engine.running()
         try:  # with the LoRA adapter of the version it was admitted under, if any
             return await llm.add_request(
                 request_id, TokensPrompt(prompt_token_ids=ids), params,

@@ -21,11 +21,14 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rollout_sidecar.protocol.schema import GenerateRequest, SamplingConfig
 from rollout_sidecar.server.engine.engine_api import Engine
 from rollout_sidecar.server.generate import request_checks
+
+if TYPE_CHECKING:
+    from rollout_sidecar.server.engine.vllm_surface import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ def warmup_requests(vocab_size: int, max_model_len: int) -> dict[str, GenerateRe
     }
 
 
-async def _run(llm: Any, req: GenerateRequest) -> None:
+async def _run(llm: Sampler, req: GenerateRequest) -> None:
     from vllm.inputs import TokensPrompt
 
     async def one(i: int, ids: list[int]) -> None:
@@ -72,7 +75,7 @@ async def warm_up(engine: Engine) -> dict[str, float]:
         for name, req in warmup_requests(engine.info.vocab_size,
                                          engine.info.max_model_len).items():
             t = time.perf_counter()
-            await _run(engine.llm, req)
+            await _run(engine.running(), req)
             timings[name] = round(time.perf_counter() - t, 3)
     except Exception:  # never fatal: the engine works, the first request pays instead
         log.warning("warm-up failed after %s; continuing without it", timings, exc_info=True)

@@ -20,10 +20,11 @@ router = APIRouter()
 async def metrics(request: Request) -> Response:
     state = services(request)
     m, engine = state.metrics, state.engine
-    if engine is not None and engine.llm is not None:
+    llm = engine.llm if engine is not None else None
+    if engine is not None and llm is not None:
         m.gate_waiting.set(engine.gate.gated)
         m.in_flight.set(engine.gate.in_flight)
-        m.engine_unfinished.set(engine.llm.output_processor.get_num_unfinished_requests())
+        m.engine_unfinished.set(llm.output_processor.get_num_unfinished_requests())
     # vLLM registers its metrics in prometheus_client's global registry (or a
     # multiprocess one under PROMETHEUS_MULTIPROC_DIR, which it reads itself).
     body = generate_latest(m.registry) + generate_latest(_vllm_registry())

@@ -149,6 +149,7 @@ class GatedEngineClient:
         self._engine = engine
 
     def __getattr__(self, name: str) -> Any:
+        # AttributeError, never another, while unstarted: vLLM's serving layer uses hasattr.
         return getattr(self._engine.llm, name)
 
     def generate(self, prompt: Any, sampling_params: Any, request_id: str,
@@ -172,7 +173,7 @@ class GatedEngineClient:
         # The admitted version's LoRA adapter (the /v1 model name selects none).
         kwargs["lora_request"] = engine.adapters.request_for(tag.lease.version)
         try:
-            q = await engine.llm.add_request(request_id, prompt, params, **kwargs)
+            q = await engine.running().add_request(request_id, prompt, params, **kwargs)
             track = engine.watch(q)
             accepted = True
             tag._accepted()
@@ -183,7 +184,8 @@ class GatedEngineClient:
                 if finished and track.finish_version is None:
                     track.finish_version = gate.version
                 # A commit may have frozen the finish version before we read it.
-                tag.last = max(tag.last, track.finish_version if finished else gate.version)
+                v = track.finish_version if finished else None
+                tag.last = max(tag.last, gate.version if v is None else v)
                 if out is STREAM_FINISHED:
                     continue
                 for c in out.outputs:
@@ -197,7 +199,7 @@ class GatedEngineClient:
                 yield out
         except BaseException:  # cancelled, closed or failed: free the engine
             if q is not None and not finished:
-                await abort_quietly(engine.llm.abort(q.request_id, internal=True))
+                await abort_quietly(engine.running().abort(q.request_id, internal=True))
             raise
         finally:
             if not accepted:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rollout_sidecar.protocol.schema import (
     CommitRequest,
@@ -42,6 +42,9 @@ from rollout_sidecar.server.weights.ops import WorkerCallFailed, WorkerOp
 from rollout_sidecar.server.weights.push_session import Push, PushFailed, PushSession, PushState
 from rollout_sidecar.server.weights.worker_replies import Done
 from rollout_sidecar.server.weights.worker_requests import Check, Load, Patch, Relabel
+
+if TYPE_CHECKING:
+    from rollout_sidecar.server.engine.vllm_surface import VllmEngine
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +81,8 @@ class CommitPhases:
         self._laps = Laps()  # the commit under way's steps (CommitResponse.timings)
 
     @property
-    def llm(self) -> Any:
-        return self.engine.llm  # read late: the engine starts after we are built
+    def llm(self) -> VllmEngine:
+        return self.engine.running()  # read late: the engine starts after we are built
 
     # ------------------------------------------------------------ phase 1
 
@@ -254,10 +257,11 @@ class CommitPhases:
         """A delta with no change: every worker's staged copy, which the model
         serves, becomes `version` too (each checks it holds the base). No
         session, no load; the engine's label moves between two steps."""
-        gate, v = self.engine.gate, push.req.version
+        gate, v, base = self.engine.gate, push.req.version, push.req.delta_base
+        assert base is not None, "an unchanged push names its base (begin checked it)"
         self.delta_base = None  # until every worker relabelled (begin checked the base)
         try:
-            await ops.send(self.llm, Relabel(base=push.req.delta_base, version=v))
+            await ops.send(self.llm, Relabel(base=base, version=v))
         except Exception as e:
             # Nothing changed the model; the workers may disagree now: dense next.
             raise PushFailed(f"push of unchanged weights rejected, version {gate.version} "
@@ -282,6 +286,7 @@ class CommitPhases:
                 return ended  # aborting twice is fine
             push = self.session.require(push_id, PushState.RECEIVING, PushState.PREPARED)
             await self.session.fail(push, reason, outcome="aborted")
+            assert self.session.last is not None  # fail() recorded it
             return self.session.last
 
     async def end_session(self) -> None:

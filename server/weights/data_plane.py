@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_sidecar.protocol.data_plane.ring_route import check_starts
 from rollout_sidecar.protocol.schema import (
@@ -48,6 +48,9 @@ from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.ops import SideOp
 from rollout_sidecar.server.weights.store_gate import StoreGate
 from rollout_sidecar.server.weights.worker_replies import State
+
+if TYPE_CHECKING:
+    from rollout_sidecar.server.engine.vllm_surface import WorkerRpc
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ class TrainerLease:
 
 
 class DataPlane:
-    def __init__(self, llm: Any, settings: ServerSettings, ranks: int | None = None) -> None:
+    def __init__(self, llm: WorkerRpc, settings: ServerSettings, ranks: int | None = None) -> None:
         self.llm = llm
         self.settings = settings
         # This server's ranks in the group: its workers, or one per host and
@@ -241,7 +244,7 @@ class DataPlane:
         if self.owner is not None and self.owner.id == connection_id:
             self.owner.last_active = time.monotonic()
             return
-        if connection_id in self.replaced:
+        if connection_id is not None and connection_id in self.replaced:
             raise PushConflict(f"connection {connection_id} was taken over by "
                                f"{self.replaced[connection_id]}: another trainer connected to "
                                "this server")

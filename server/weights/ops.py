@@ -23,6 +23,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rollout_sidecar.server.engine.vllm_surface import WorkerRpc
     from rollout_sidecar.server.weights.worker_replies import Reply
     from rollout_sidecar.server.weights.worker_requests import Request
 
@@ -68,7 +69,7 @@ def _named(reply: Reply, ranks: int) -> str:
     return error if ranks == 1 else f"worker rank {reply.rank}: {error}"
 
 
-async def call(llm: Any, op: WorkerOp | SideOp, **payload: Any) -> list[Any]:
+async def call(llm: WorkerRpc, op: WorkerOp | SideOp, **payload: Any) -> list[Any]:
     """Run `op` on every worker and return every rank's typed reply
     (worker_replies.py: the op's class), in rank order; raise
     `WorkerCallFailed` naming each rank that failed."""
@@ -81,7 +82,7 @@ async def call(llm: Any, op: WorkerOp | SideOp, **payload: Any) -> list[Any]:
     return replies
 
 
-async def send(llm: Any, request: Request) -> None:
+async def send(llm: WorkerRpc, request: Request) -> None:
     """Run an op's typed request (worker_requests.py) on every worker; raise
     `WorkerCallFailed` if any failed."""
     from rollout_sidecar.server.weights.worker_requests import payload

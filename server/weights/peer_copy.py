@@ -123,9 +123,10 @@ class PeerCopy:
         async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
             found = await asyncio.gather(*(self._status(http, u, token, limit) for u in peers))
             own = svc.engine.gate.version
-            usable = [(st, session) for st, session in found if st is not None
-                      and st.boot_id != svc.boot_id and st.broken is None
-                      and st.delta_base == st.weight_version and st.weight_version > own]
+            usable = [(st, session) for st, session in found
+                      if st is not None and session is not None and st.boot_id != svc.boot_id
+                      and st.broken is None and st.delta_base == st.weight_version
+                      and st.weight_version > own]
             if not usable:
                 self.timeline["outcome"] = "no peer serves a newer version from a staged copy"
                 log.info("catch-up: %s (own version %d)", self.timeline["outcome"], own)
@@ -150,7 +151,8 @@ class PeerCopy:
             return WeightStatus.model_validate_json(
                 await _get(http, session, routes.STATUS.path, limit)), session
         except PeerRefused as e:
-            self.timeline.setdefault("refused", {})[url] = str(e)  # type: ignore[index]
+            refused: Any = self.timeline.setdefault("refused", {})  # type: ignore[arg-type]
+            refused[url] = str(e)
             log.warning("catch-up: %s", e)
         except Exception as e:
             log.info("catch-up: %s not usable: %s", url, e)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_sidecar.protocol.transports import TRANSPORTS, TransportKind
-from rollout_sidecar.server.weights.worker_requests import Allocate, OpenPush, Receive
+from rollout_sidecar.server.weights.worker_requests import Allocate, Receive
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Receiver:
         return self.kind.needs_gpu
 
     @property
-    def opens_with(self) -> type[OpenPush]:
+    def opens_with(self) -> type[Receive] | type[Allocate]:
         """The worker request that opens a push's receive."""
         return Receive if self.joins_group else Allocate
 

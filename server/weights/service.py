@@ -17,7 +17,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rollout_sidecar.protocol.data_plane.bucket_check import crc32_of_bytes
 from rollout_sidecar.protocol.schema import (
@@ -57,6 +57,10 @@ from rollout_sidecar.server.weights.watchdog import PushWatchdog
 from rollout_sidecar.server.weights.worker.host_share import StagingRoot
 from rollout_sidecar.server.weights.worker_requests import Stage
 
+if TYPE_CHECKING:
+    from rollout_sidecar.server.engine.lifecycle import EngineInfo
+    from rollout_sidecar.server.engine.vllm_surface import VllmEngine
+
 log = logging.getLogger(__name__)
 
 
@@ -73,7 +77,7 @@ class WeightService:
         self.settings = settings
         self.metrics = metrics
         self.boot_id = boot_id
-        self.plane = DataPlane(engine.llm, settings)
+        self.plane = DataPlane(engine.running(), settings)
         # Who stages where (staging_layout.py), and this host's shared staging
         # directory when its workers share one (worker/host_share.py): set at start.
         self.layout: staging_layout.StagingLayout | None = None
@@ -90,8 +94,16 @@ class WeightService:
         return self.session.current is not None or self.peer_copy.running
 
     @property
-    def llm(self) -> Any:
-        return self.engine.llm
+    def llm(self) -> VllmEngine:
+        return self.engine.running()
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine serves (set once it started, before we are built)."""
+        info = self.engine.info
+        if info is None:
+            raise RuntimeError("the engine is not started")
+        return info
 
     @property
     def last_probe(self) -> ProbeResult | None:
@@ -104,7 +116,7 @@ class WeightService:
     async def start(self, listen_fd: int | None = None) -> None:
         """Decide the staging layout (raises `StagingDoesNotFit` where sharing
         was required and does not fit), then listen on the data plane."""
-        s, info = self.settings, self.engine.info
+        s, info = self.settings, self.info
         staged = self.engine.index.push_bytes(info.dtype)
         hosts = await staging_layout.survey(self.llm)
         self.layout = layout = staging_layout.plan(hosts, s.share_host_staging,
@@ -135,7 +147,7 @@ class WeightService:
     # ------------------------------------------------------------ read-only
 
     def status(self) -> WeightStatus:
-        gate, info, p = self.engine.gate, self.engine.info, self.session.current
+        gate, info, p = self.engine.gate, self.info, self.session.current
         return WeightStatus(
             weight_version=gate.version, dtype=info.dtype, quantization=info.quantization,
             vocab_size=info.vocab_size,
@@ -177,7 +189,7 @@ class WeightService:
         return None
 
     def index(self) -> WeightIndex:
-        idx, serve = self.engine.index, self.engine.info.dtype
+        idx, serve = self.engine.index, self.info.dtype
         return WeightIndex(
             tensors={n: TensorInfo(shape=list(t.shape), dtype=idx.push_dtype(t, serve))
                      for n, t in idx.tensors.items()},
@@ -264,7 +276,7 @@ class WeightService:
                 raise BadRequest(f"check {req.check}: the http transport's bodies are checked "
                                  "with crc32", "check")
             self._check_adapter(req)
-            check_manifest(req, self.engine.index, self.engine.info.dtype,
+            check_manifest(req, self.engine.index, self.info.dtype,
                            self.settings.max_lora_rank)
             held = self.commits.delta_base
             if req.delta_base is not None and req.delta_base != held:

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rollout_sidecar.server.weights import ops
 from rollout_sidecar.server.weights.ops import SideOp
 from rollout_sidecar.server.weights.worker_replies import Host
 from rollout_sidecar.server.weights.worker_requests import Layout
+
+if TYPE_CHECKING:
+    from rollout_sidecar.server.engine.vllm_surface import WorkerRpc
 
 GIB = 2**30
 MIB = 2**20
@@ -174,13 +177,13 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.0f} MiB"
 
 
-async def survey(llm: Any) -> list[WorkerHost]:
+async def survey(llm: WorkerRpc) -> list[WorkerHost]:
     """Every worker's report of its host (SideOp.HOST)."""
     replies: list[Host] = await ops.call(llm, SideOp.HOST)
     return [WorkerHost(r.rank, r.dp_index, r.host, r.shm, r.shm_free, r.shm_total, r.net)
             for r in replies]
 
 
-async def assign(llm: Any, layout: StagingLayout, boot_id: str) -> None:
+async def assign(llm: WorkerRpc, layout: StagingLayout, boot_id: str) -> None:
     """Give every worker its role (SideOp.LAYOUT; worker/host_share.py)."""
     await ops.send(llm, Layout(roles=layout.roles(), boot_id=boot_id))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from rollout_sidecar.protocol.schema import BucketManifest
+from rollout_sidecar.protocol.schema import Check as BucketCheck
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 
 
@@ -26,7 +27,7 @@ class OpenPush:
     version: int
     delta_base: int | None = None  # a delta push's base (patching.py)
     adapter: dict | None = None  # a LoRA adapter push's AdapterSpec
-    check: str = "crc32"  # what each bucket's checksum is (bucket_check.py)
+    check: BucketCheck = "crc32"  # what each bucket's checksum is (bucket_check.py)
 
     def buckets(self) -> list[BucketManifest]:
         return [BucketManifest.model_validate(b) for b in self.manifest]

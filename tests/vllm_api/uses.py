@@ -3,6 +3,10 @@ every `vllm` import, every attribute read off a name those imports bind or
 off a handle that holds a vLLM object (`HANDLES`), and the keywords of every
 call of those. Imports inside a `try` that catches ImportError are
 alternatives: one of them must resolve (a compatibility fallback).
+
+And every member of the protocols in server/engine/vllm_surface.py (the
+server's typed surface of vLLM), against the vLLM class its `STANDS_FOR`
+names: a method's named parameters as the keywords of a call.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ HANDLES = {
     "current_platform": "vllm.platforms.interface.Platform",
 }
 SCANNED = ("server", "client", "trainer", "examples")
+SURFACE = "server/engine/vllm_surface.py"
 
 
 @dataclass
@@ -112,9 +117,34 @@ class _Scan(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def collect(root: Path, folders: tuple[str, ...] = SCANNED) -> list[Use]:
-    """Every use in the .py files under `root`/`folders`."""
+def surface(root: Path, path: str = SURFACE) -> list[Use]:
+    """Every member of every protocol `STANDS_FOR` maps to a vLLM class."""
+    tree = ast.parse((root / path).read_text(), path)
+    stands_for: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "STANDS_FOR":
+            assert isinstance(node.value, ast.Dict)
+            stands_for = {ast.unparse(k): ast.literal_eval(v)
+                          for k, v in zip(node.value.keys, node.value.values, strict=True)
+                          if k is not None}
     uses: list[Use] = []
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef) or node.name not in stands_for:
+            continue
+        for member in node.body:
+            at = f"{path}:{member.lineno}"
+            if isinstance(member, ast.AnnAssign) and isinstance(member.target, ast.Name):
+                uses.append(Use(at, stands_for[node.name], member.target.id))
+            elif isinstance(member, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = member.args
+                named = [x.arg for x in (*a.args[1:], *a.kwonlyargs)]
+                uses.append(Use(at, stands_for[node.name], member.name, named))
+    return uses
+
+
+def collect(root: Path, folders: tuple[str, ...] = SCANNED) -> list[Use]:
+    """Every use in the .py files under `root`/`folders`, and the surface's."""
+    uses: list[Use] = surface(root) if (root / SURFACE).is_file() else []
     for folder in folders:
         for path in sorted((root / folder).rglob("*.py")):
             scan = _Scan(str(path.relative_to(root)))

@@ -104,8 +104,9 @@ def receive_chain(group: Any, buckets: list[StagedBucket], rank: int, world_size
     def add(k: int, piece: torch.Tensor) -> None:
         if check == "crc32":
             crcs[k] = crc32(piece, crcs[k])
-        if macs[k] is not None:
-            macs[k].update(piece)
+        mac = macs[k]
+        if mac is not None:
+            mac.update(piece)
         if piece.data_ptr() + piece.numel() == buckets[k].buffer.data_ptr() + buckets[k].nbytes:
             buckets[k].received = True  # its last piece
 

@@ -23,7 +23,7 @@ import torch
 
 from rollout_sidecar.protocol.data_plane.delta_codec import Patch, PatchForm, apply, positions, read
 from rollout_sidecar.protocol.data_plane.wire_format import slot_bytes, torch_dtype
-from rollout_sidecar.protocol.schema import TensorSlot
+from rollout_sidecar.protocol.schema import PatchInfo, TensorSlot
 from rollout_sidecar.server.weights.worker.staging import Staging
 
 
@@ -58,7 +58,7 @@ def apply_patches(patches: Staging, resident: Staging) -> int:
     elements written. A slot for a tensor the resident copy lacks, or of
     another dtype or size, raises before anything is written."""
     chunks = _chunks(resident)
-    todo: list[tuple[TensorSlot, torch.Tensor]] = []
+    todo: list[tuple[TensorSlot, PatchInfo, torch.Tensor]] = []
     for b in patches.buckets:
         for p in b.params:
             ranges = chunks.get(p.name)
@@ -68,17 +68,17 @@ def apply_patches(patches: Staging, resident: Staging) -> int:
                     sum(v.numel() for _, v in ranges) != p.numel:
                 raise ValueError(f"{p.name}: the patch's dtype or size differs from the "
                                  "staged copy's")
-            todo.append((p, slot_bytes(b.buffer, p)))
+            todo.append((p, p.patch, slot_bytes(b.buffer, p)))
     written = 0
-    for p, raw in todo:
-        patch = read(raw, PatchForm(p.patch.form), p.numel, p.patch.changed,
+    for p, info, raw in todo:
+        patch = read(raw, PatchForm(info.form), p.numel, info.changed,
                      torch_dtype(p.dtype))
         ranges = chunks[p.name]
         if len(ranges) == 1:
             apply(patch, ranges[0][1])
         else:
             _apply_split(patch, ranges)
-        written += p.patch.changed
+        written += info.changed
     return written
 
 

@@ -48,8 +48,9 @@ class GroupReceive:
         budget, so by default it goes through a one-bucket device buffer into
         pinned host memory. `small` pushes (a delta's or an adapter's
         patches) are applied on the host."""
-        c = self.connection
-        if transport(c.backend).on_device and c.info.staging == "device" and not small:
+        c, info = self.connection, self.connection.info
+        if transport(c.backend).on_device and info is not None and info.staging == "device" \
+                and not small:
             return self.device
         return HOST
 

@@ -155,6 +155,7 @@ def _as_first_load(layer: torch.nn.Module) -> Iterator[None]:
             or hook is FusedMoEExperts.process_weights_after_loading):
         yield
         return
+    assert method is not None  # it has a kernel
     method.moe_kernel = None
     try:
         yield

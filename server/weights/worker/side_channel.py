@@ -125,7 +125,8 @@ class SideChannel:
 
     # The engine's, used here.
     if TYPE_CHECKING:
-        _error: BaseException | None
+        @property
+        def _error(self) -> BaseException | None: ...
 
         def init_transfer_engine(self, init_info: StagedInitInfo) -> None: ...
         def parse_init_info(self, init_dict: dict[str, Any]) -> StagedInitInfo: ...

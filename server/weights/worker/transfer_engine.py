@@ -59,6 +59,7 @@ from rollout_sidecar.server.weights.worker_requests import (
     OpenPush,
     Patch,
     Receive,
+    SideRequest,
     Stage,
     WorkerRequest,
     parse,
@@ -165,7 +166,10 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
     def parse_update_info(self, update_dict: dict[str, Any]) -> WorkerRequest:
         """A dict as vLLM's own routes would pass it: `{"op": ..., **fields}`."""
         fields = dict(update_dict)
-        return parse(WorkerOp(fields.pop("op")), fields)
+        request = parse(WorkerOp(fields.pop("op")), fields)
+        if isinstance(request, SideRequest):  # parse gives a WorkerOp its own request
+            raise ValueError(f"{request.op.value} is not a weight update")
+        return request
 
     def receive_weights(self, request: WorkerRequest) -> None:
         if self._follower and isinstance(request, Receive | Stage | Check):
@@ -295,6 +299,7 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
         if key is None:
             raise ValueError("bucket tags (macs) sent, but this connection was not made with "
                              "a secret and bucket_macs")
+        assert j is not None  # it holds the key
         self.incoming.check_macs(request.macs, key, j.info.connection_id, request.version)
 
     # ---------------------------------------------------------------- internals

@@ -18,13 +18,19 @@ from __future__ import annotations
 import faulthandler
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 from rollout_sidecar.server.weights.worker.draft_loading import drafter_of
 from rollout_sidecar.server.weights.worker.reload import LoadRefused
 from rollout_sidecar.server.weights.worker_replies import REPLIES, Reply, wire
 from rollout_sidecar.server.weights.worker_requests import parse
+
+if TYPE_CHECKING:
+    from rollout_sidecar.server.engine.vllm_surface import VllmWorker
+    from rollout_sidecar.server.weights.worker.transfer_engine import (
+        StagedWeightTransferEngine,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +42,7 @@ _SIDE_OPS = {o.value for o in SideOp}
 SIDE_OP_STACKS_AFTER_S = 15.0
 
 
-def run_call(worker: Any, op: str, payload: dict) -> dict:
+def run_call(worker: VllmWorker, op: str, payload: dict) -> dict:
     """One rank's answer to one call: its typed reply, on the wire."""
     pc = worker.parallel_config
     rank = pc.data_parallel_index * pc.world_size + worker.rank
@@ -49,6 +55,7 @@ def run_call(worker: Any, op: str, payload: dict) -> dict:
             engine.drafter = drafter_of(worker)
         if op in _SIDE_OPS:
             faulthandler.dump_traceback_later(SIDE_OP_STACKS_AFTER_S, file=sys.stderr)
+            data: dict | None
             try:
                 data = engine.side_call(op, payload)
             finally:
@@ -62,11 +69,12 @@ def run_call(worker: Any, op: str, payload: dict) -> dict:
                          untouched=isinstance(e, LoadRefused)))
 
 
-def _session_open(worker: Any) -> bool:
+def _session_open(worker: VllmWorker) -> bool:
     return bool(getattr(worker, "_weight_update_active", False))
 
 
-def _worker_op(worker: Any, engine: Any, op: WorkerOp, payload: dict) -> dict | None:
+def _worker_op(worker: VllmWorker, engine: StagedWeightTransferEngine, op: WorkerOp,
+               payload: dict) -> dict | None:
     if op is WorkerOp.ABORT:
         _close(worker, engine)
         return {"staged_bytes": engine.staged_bytes}
@@ -86,7 +94,7 @@ def _worker_op(worker: Any, engine: Any, op: WorkerOp, payload: dict) -> dict | 
     return None
 
 
-def _close(worker: Any, engine: Any) -> None:
+def _close(worker: VllmWorker, engine: StagedWeightTransferEngine) -> None:
     """Drop whatever push is staged and end vLLM's session, if open."""
     engine.discard()
     if _session_open(worker):
