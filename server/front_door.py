@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import HTTPException
 from fastapi.routing import APIRoute
-from starlette.routing import Match
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_sidecar.protocol.schema import routes
 from rollout_sidecar.server.auth import Access, authorize, route_access
+
+if TYPE_CHECKING:
+    from rollout_sidecar.server.app_state import Services
 
 # Probes and scrapes keep answering while draining; everything else gets 503.
 ALWAYS_OPEN = {r.path for r in (routes.HEALTH, routes.READY, routes.METRICS)}
@@ -44,7 +48,7 @@ class BodyTooLarge(HTTPException):
                          headers={"connection": "close"})
 
 
-def route_of(routes: list[Any], scope: dict) -> Any | None:
+def route_of(routes: list[BaseRoute], scope: Scope) -> BaseRoute | None:
     """The route that serves `scope` (a full match: path and method), else None."""
     for route in routes:
         match, _ = route.matches(scope)
@@ -53,7 +57,7 @@ def route_of(routes: list[Any], scope: dict) -> Any | None:
     return None
 
 
-def body_limit(route: Any, default: int) -> int | None:
+def body_limit(route: BaseRoute, default: int) -> int | None:
     """The most bytes a request body may carry on `route` (None: the route
     bounds its own)."""
     if getattr(route, "path", None) in OWN_LIMIT:
@@ -64,25 +68,25 @@ def body_limit(route: Any, default: int) -> int | None:
 
 
 class FrontDoor:
-    def __init__(self, app: Any, state: Any, routes: list[Any]) -> None:
+    def __init__(self, app: ASGIApp, state: Services, routes: list[BaseRoute]) -> None:
         self.app = app
         self.state = state  # the app's services: settings, draining flag, metrics
         self.routes = routes  # the app's own route table (app.router.routes)
         # id(route) -> (its access, its body limit): read off the route once.
         self._rules: dict[int, tuple[Access, int | None]] = {}
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         if self.state.draining and path not in ALWAYS_OPEN:
             return await _answer(send, 503, "server is shutting down", {"retry-after": "5"})
         route = route_of(self.routes, scope)
-        label = route.path if route is not None else "other"
+        label = getattr(route, "path", "other") if route is not None else "other"
         metrics = self.state.metrics
         status = {"code": 500}
 
-        async def send_and_note(message: dict) -> None:
+        async def send_and_note(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)
@@ -103,7 +107,7 @@ class FrontDoor:
             metrics.latency.labels(label).observe(time.perf_counter() - t0)
             metrics.requests.labels(label, str(status["code"])).inc()
 
-    def _rules_of(self, route: Any) -> tuple[Access, int | None]:
+    def _rules_of(self, route: BaseRoute) -> tuple[Access, int | None]:
         rules = self._rules.get(id(route))
         if rules is None:  # undeclared: closed, as an admin route
             access = (route_access(route) or Access.ADMIN) if isinstance(route, APIRoute) \
@@ -112,13 +116,13 @@ class FrontDoor:
                 access, body_limit(route, self.state.settings.max_request_bytes))
         return rules
 
-    def _refusal(self, access: Access, limit: int | None, scope: dict) -> HTTPException | None:
+    def _refusal(self, access: Access, limit: int | None, scope: Scope) -> HTTPException | None:
         """The 401/403/413 this request gets before its body is read, if any."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", [])}
         try:
             authorize(access, headers, self.state.settings,
-                      getattr(self.state, "peer_answerer", None), scope["method"],
+                      self.state.peer_answerer, scope["method"],
                       scope["path"])
         except HTTPException as e:
             return e
@@ -131,12 +135,12 @@ class FrontDoor:
         return None
 
 
-def _bounded(receive: Any, limit: int) -> Any:
+def _bounded(receive: Receive, limit: int) -> Receive:
     """`receive`, refusing the body once more than `limit` bytes came
     (a chunked body, or one longer than it said)."""
     seen = 0
 
-    async def receive_bounded() -> dict:
+    async def receive_bounded() -> Message:
         nonlocal seen
         message = await receive()
         if message["type"] == "http.request":
@@ -148,7 +152,7 @@ def _bounded(receive: Any, limit: int) -> Any:
     return receive_bounded
 
 
-async def _answer(send: Any, code: int, error: str, headers: dict[str, str] | None = None
+async def _answer(send: Send, code: int, error: str, headers: dict[str, str] | None = None
                   ) -> None:
     """A refusal before the body was read. `Connection: close`: the unread
     body is still on the connection, so the client must not reuse it."""

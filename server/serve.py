@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 from uvicorn.main import STARTUP_FAILURE
 
 from rollout_sidecar.server.app import create_app
@@ -21,11 +22,11 @@ class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT: new requests get 503 at once, in-flight ones finish
     (up to `drain_timeout_s`), then the engine shuts down."""
 
-    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
         super().__init__(config)
         self._app = app
 
-    def handle_exit(self, sig: int, frame: Any) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         state = services(self._app)
         if not state.draining:
             log.info("signal %s: draining in-flight requests", sig)

@@ -27,6 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
 
 from rollout_sidecar.protocol.schema import routes
 from rollout_sidecar.server.app_state import services
@@ -49,7 +50,7 @@ class _LeasedStream(StreamingResponse):
                          headers=headers)
         self.tag = tag
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -15,17 +15,20 @@ second would leave the first loaded.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollout_sidecar.protocol.schema import DRAFT_PREFIX, is_draft
 from rollout_sidecar.server.weights.worker.reload import DraftLoad, LoadRefused
 
+if TYPE_CHECKING:
+    from rollout_sidecar.server.engine.vllm_surface import VllmWorker
+
 Weights = list[tuple[str, torch.Tensor]]
 
 
-def drafter_of(worker: Any) -> tuple[torch.nn.Module, Any] | None:
+def drafter_of(worker: VllmWorker) -> tuple[torch.nn.Module, Any] | None:
     """This worker's drafter model and its model config, if it has one."""
     get = getattr(getattr(worker, "model_runner", None), "get_draft_model", None)
     model = get() if callable(get) else None
