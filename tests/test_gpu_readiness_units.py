@@ -148,9 +148,9 @@ def test_worker_calls_answer_with_values_and_abort_closes_every_session():
     from rollout_sidecar.server.weights.worker.worker_calls import run_call
 
     w0, w1 = _FakeWorker(0), _FakeWorker(1, fail_on="check")
-    opening = {"manifest": [], "version": 1}
+    opening = {"transport": "gloo", "manifest": [], "version": 1}
     for w in (w0, w1):
-        assert run_call(w, "receive", opening)["ok"]
+        assert run_call(w, "open", opening)["ok"]
     check = {"checksums": [], "timeout_s": 1.0}
     r0, r1 = run_call(w0, "check", check), run_call(w1, "check", check)
     assert r0 == wire(Done(rank=0, ok=True)) and not r1["ok"] and "check refused" in r1["error"]
@@ -162,8 +162,8 @@ def test_worker_calls_answer_with_values_and_abort_closes_every_session():
         assert not w._weight_update_active
     # A session left open (a push that never ended here) does not refuse the next.
     w0._weight_update_active = True
-    assert run_call(w0, "receive", opening)["ok"]
-    assert w0.log[-3:] == ["discard", "finish", "receive"]
+    assert run_call(w0, "open", opening)["ok"]
+    assert w0.log[-3:] == ["discard", "finish", "open"]
     # A request that does not fit its op is refused by name, not raised.
     assert "check" in run_call(w0, "check", {"checksum": [1]})["error"]
     assert run_call(w0, "state", {})["connection"] == {"state": "none"}

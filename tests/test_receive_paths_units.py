@@ -30,7 +30,8 @@ def test_http_stage_copies_a_bucket_in_and_refuses_what_does_not_fit():
                                   (None, b"ab", "needs bucket and data")]:
         with pytest.raises(ValueError, match=message):
             HttpStage.stage(buckets, bucket, data)
-    assert HttpStage.staging_device == HOST
+    http = HttpStage(GroupMembership(), torch.device("cpu"))  # needs no group
+    assert http.staging_device(small=False) == HOST and http.start(buckets) is None
 
 
 def test_a_group_receive_needs_a_group_and_stages_full_pushes_where_nccl_says():

@@ -1,8 +1,7 @@
-"""One name per transport: what it is (protocol/transports.py), one
-sender in the trainer and one receiver in the server
-(trainer/transport/registry.py, server/weights/receivers.py): adding a
-transport to the wire without every part fails here. And no transport name is
-compared outside that table."""
+"""One table of transports (protocol/transports.py): each row says what the
+transport is and names both of its halves, the trainer's sender and the
+server worker's receive path. Adding a transport to the wire without every
+part fails here. And no transport name is compared outside that table."""
 
 from __future__ import annotations
 
@@ -14,15 +13,32 @@ import pytest
 
 from rollout_sidecar.protocol.schema import Transport
 from rollout_sidecar.protocol.transports import TRANSPORTS, transport
-from rollout_sidecar.server.weights.receivers import RECEIVERS, receiver
-from rollout_sidecar.server.weights.worker_requests import Allocate, Receive
+from rollout_sidecar.server.weights.worker.receive_paths import GroupReceive, HttpStage
+from rollout_sidecar.server.weights.worker.receive_paths import ReceivePath as _ReceivePath
 from rollout_sidecar.trainer.push_config import PushConfig
-from rollout_sidecar.trainer.transport.registry import SENDERS, build_sender
+from rollout_sidecar.trainer.transport.base import Transport as _Sender
+from rollout_sidecar.trainer.transport.registry import build_sender
 
 
-def test_every_wire_transport_has_one_sender_and_one_receiver():
-    build_sender("http", None, PushConfig())  # loads the senders' modules
-    assert set(get_args(Transport)) == set(TRANSPORTS) == set(SENDERS) == set(RECEIVERS)
+def _methods(protocol: type) -> set[str]:
+    """The methods a protocol class declares."""
+    return {n for n, v in vars(protocol).items() if not n.startswith("_")
+            and (callable(v) or isinstance(v, classmethod))}
+
+
+def test_every_wire_transport_is_a_row_naming_both_of_its_halves():
+    assert set(get_args(Transport)) == set(TRANSPORTS)
+    for kind in TRANSPORTS.values():
+        sender, receive = kind.sender_class(), kind.receive_class()
+        # Each half has what its side asks of it (base.py's and receive_paths.py's protocol).
+        assert _methods(_Sender) <= set(dir(sender)), kind.name
+        assert _methods(_ReceivePath) <= set(dir(receive)), kind.name
+    assert "from_config" in _methods(_Sender) and "start" in _methods(_ReceivePath)
+    # The server's half follows what the row says of the group.
+    assert {n: t.receive_class() for n, t in TRANSPORTS.items()} == {
+        "gloo": GroupReceive, "nccl": GroupReceive, "http": HttpStage}
+    assert [t.receive_class() is GroupReceive for t in TRANSPORTS.values()] == [
+        t.joins_group for t in TRANSPORTS.values()]
 
 
 def test_the_pusher_builds_its_sender_by_name_with_its_settings():
@@ -34,12 +50,10 @@ def test_the_pusher_builds_its_sender_by_name_with_its_settings():
         build_sender("carrier-pigeon", None, PushConfig())
 
 
-def test_the_server_asks_the_receiver_what_a_push_needs():
-    assert receiver("gloo").joins_group and receiver("nccl").joins_group
-    assert not receiver("http").joins_group
-    assert receiver("http").opens_with is Allocate
-    assert receiver("gloo").opens_with is Receive
-    assert [r.name for r in RECEIVERS.values() if r.needs_gpu] == ["nccl"]
+def test_the_server_asks_the_transport_what_a_push_needs():
+    assert transport("gloo").joins_group and transport("nccl").joins_group
+    assert not transport("http").joins_group
+    assert [t.name for t in TRANSPORTS.values() if t.needs_gpu] == ["nccl"]
 
 
 def test_each_side_asks_the_transport_what_it_does():

@@ -16,20 +16,15 @@ calls (`Sampler`: generate/, openai_api/) are what the unit tests' fakes
 implement; `VllmEngine` is AsyncLLM as a whole, which the engine holds.
 mypy holds every call site to these (tests/test_types.py): a use of vLLM
 not declared here fails there, naming the line.
-`VllmWorker` is the other side of `collective_rpc`: vLLM's worker as our
-worker method sees it (server/weights/worker/worker_calls.py).
+The other side of `collective_rpc`, vLLM's worker as our worker method sees
+it, is server/weights/worker/vllm_worker.py (the engine imports nothing of
+weights/).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from rollout_sidecar.server.weights.worker.transfer_engine import (
-        StagedWeightTransferEngine,
-    )
-    from rollout_sidecar.server.weights.worker_requests import Request
+from typing import Any, Protocol
 
 
 class ModelConfigView(Protocol):
@@ -110,19 +105,6 @@ class VllmEngine(WorkerRpc, Sampler, Protocol):
     def shutdown(self) -> None: ...
 
 
-class VllmWorker(Protocol):
-    """vLLM's Worker, as our worker method (worker_calls.py) sees it."""
-
-    rank: int
-    parallel_config: ParallelConfigView
-    weight_transfer_engine: StagedWeightTransferEngine | None
-
-    def start_weight_update(self) -> None: ...
-    # vLLM types it a dict; it hands it to our engine's `update_weights` as it is.
-    def update_weights(self, update_info: Request) -> None: ...
-    def finish_weight_update(self) -> None: ...
-
-
 # The vLLM class each protocol is the surface of (tests/vllm_api checks every
 # member above exists there, in the installed vLLM and the newest supported).
 STANDS_FOR: dict[type, str] = {
@@ -134,5 +116,4 @@ STANDS_FOR: dict[type, str] = {
     WorkerRpc: "vllm.v1.engine.async_llm.AsyncLLM",
     Sampler: "vllm.v1.engine.async_llm.AsyncLLM",
     VllmEngine: "vllm.v1.engine.async_llm.AsyncLLM",
-    VllmWorker: "vllm.v1.worker.gpu_worker.Worker",
 }

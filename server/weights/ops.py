@@ -31,8 +31,9 @@ WORKER_METHOD = "rollout_sidecar_call"
 
 
 class WorkerOp(str, Enum):
-    ALLOCATE = "allocate"  # HTTP transport: open the session, lay out staging
-    RECEIVE = "receive"  # gloo/NCCL: open the session, receive in a background thread
+    # Open the session, lay out staging, start the receive of the push's
+    # transport (its receive path: worker/receive_paths.py).
+    OPEN = "open"
     STAGE = "stage"  # one bucket's bytes, from an HTTP body
     CHECK = "check"  # join the receive, check every bucket's CRC (phase 1: prepare)
     PATCH = "patch"  # a delta: write its patches into the staged copy (model untouched)

@@ -44,8 +44,8 @@ from enum import Enum
 from typing import Any
 
 from rollout_sidecar.protocol.schema import BeginRequest, CommitResponse, LastPush
+from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.errors import PushConflict
-from rollout_sidecar.server.weights.receivers import receiver
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,8 @@ class Push:
 
     @property
     def distributed(self) -> bool:
-        """Its bytes come over the trainer's data-plane group (receivers.py)."""
-        return receiver(self.req.transport).joins_group
+        """Its bytes come over the trainer's data-plane group (protocol/transports.py)."""
+        return transport(self.req.transport).joins_group
 
 
 class PushSession:

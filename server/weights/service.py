@@ -41,6 +41,7 @@ from rollout_sidecar.protocol.schema import (
     WeightIndex,
     WeightStatus,
 )
+from rollout_sidecar.protocol.transports import TRANSPORTS, transport
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine.engine_api import Engine, Scorer
 from rollout_sidecar.server.errors import BadRequest, PushConflict
@@ -52,10 +53,9 @@ from rollout_sidecar.server.weights.manifest_check import check_manifest
 from rollout_sidecar.server.weights.peer_copy import PeerCopy
 from rollout_sidecar.server.weights.probe_scoring import ProbeScorer
 from rollout_sidecar.server.weights.push_session import Push, PushSession, PushState
-from rollout_sidecar.server.weights.receivers import offered, receiver
 from rollout_sidecar.server.weights.watchdog import PushWatchdog
 from rollout_sidecar.server.weights.worker.host_share import StagingRoot
-from rollout_sidecar.server.weights.worker_requests import Stage
+from rollout_sidecar.server.weights.worker_requests import Open, Stage
 
 if TYPE_CHECKING:
     from rollout_sidecar.server.engine.lifecycle import EngineInfo
@@ -66,8 +66,15 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def transports() -> list[str]:
-    """The transports this server takes (receivers.py), asked of the platform once."""
-    return offered()
+    """The transports this server takes. NCCL needs a GPU on the server; gloo
+    and HTTP work everywhere, including one GPU shared by trainer and server.
+    Asked of vLLM's platform (NVML on CUDA) once the engine runs, and once:
+    never of `torch.cuda` at import, which would initialise CUDA in the
+    process vLLM then forks its engine core from."""
+    from vllm.platforms import current_platform
+
+    gpu = current_platform.is_cuda_alike()
+    return [t.name for t in TRANSPORTS.values() if gpu or not t.needs_gpu]
 
 
 class WeightService:
@@ -269,7 +276,7 @@ class WeightService:
             if req.version <= self.engine.gate.version:
                 raise PushConflict(f"version {req.version} is not newer than the served "
                                    f"version {self.engine.gate.version}")
-            if receiver(req.transport).joins_group:
+            if transport(req.transport).joins_group:
                 self.plane.check_owner(req.connection_id)
                 self.plane.check_senders(req.buckets)
             elif req.check != "crc32":  # an HTTP body is checked here, as it comes
@@ -289,15 +296,15 @@ class WeightService:
                 self.commits.delta_base = None  # a dense receive overwrites the staged copy
             try:  # opens vLLM's update session on every worker (worker_calls.py)
                 if not req.unchanged:  # nothing will arrive: no session, no staging
-                    await ops.send(self.llm, receiver(req.transport).opens_with(
-                        manifest=[b.model_dump() for b in req.buckets], version=req.version,
-                        delta_base=req.delta_base,
+                    await ops.send(self.llm, Open(
+                        transport=req.transport, manifest=[b.model_dump() for b in req.buckets],
+                        version=req.version, delta_base=req.delta_base,
                         adapter=req.adapter.model_dump() if req.adapter else None,
                         check=req.check))
             except Exception as e:
                 await self.commits.end_session()  # on the ranks where it opened
                 self.commits.delta_base = None  # the workers may disagree: start over dense
-                if receiver(req.transport).joins_group:
+                if transport(req.transport).joins_group:
                     await self.plane.drop()
                 raise PushConflict(f"could not start the receive: {e}") from e
             self.session.current = push

@@ -19,10 +19,12 @@ from rollout_sidecar.server.weights.ops import SideOp, WorkerOp
 
 
 @dataclass(frozen=True)
-class OpenPush:
-    """Opens a push's receive: lays out staging for its buckets."""
+class Open:
+    """Opens a push: lays out staging for its buckets and starts the receive
+    its transport names (protocol/transports.py: the row's receive path)."""
 
-    op: ClassVar[WorkerOp]
+    op: ClassVar[WorkerOp] = WorkerOp.OPEN
+    transport: str
     manifest: list[dict]  # BucketManifest dumps, validated once already, at begin
     version: int
     delta_base: int | None = None  # a delta push's base (patching.py)
@@ -41,20 +43,6 @@ class OpenPush:
     def adapter_only(self) -> bool:
         """An adapter over the weights already loaded: the staged copy stays."""
         return self.adapter is not None and self.adapter.get("base_version") is not None
-
-
-@dataclass(frozen=True)
-class Allocate(OpenPush):
-    """HTTP transport: the buckets will come as `Stage` requests."""
-
-    op: ClassVar[WorkerOp] = WorkerOp.ALLOCATE
-
-
-@dataclass(frozen=True)
-class Receive(OpenPush):
-    """gloo/NCCL: receive from the trainer's group, in a background thread."""
-
-    op: ClassVar[WorkerOp] = WorkerOp.RECEIVE
 
 
 @dataclass(frozen=True)
@@ -125,12 +113,12 @@ class Read:
     bucket: int | None = None
 
 
-WorkerRequest = Allocate | Receive | Stage | Check | Patch | Load
+WorkerRequest = Open | Stage | Check | Patch | Load
 SideRequest = Relabel | Layout | Read
 Request = WorkerRequest | SideRequest
 
 REQUESTS: dict[WorkerOp | SideOp, type[Request]] = {
-    cls.op: cls for cls in (Allocate, Receive, Stage, Check, Patch, Load, Relabel, Layout,
+    cls.op: cls for cls in (Open, Stage, Check, Patch, Load, Relabel, Layout,
                             Read)}
 
 

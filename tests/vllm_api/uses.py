@@ -4,9 +4,9 @@ off a handle that holds a vLLM object (`HANDLES`), and the keywords of every
 call of those. Imports inside a `try` that catches ImportError are
 alternatives: one of them must resolve (a compatibility fallback).
 
-And every member of the protocols in server/engine/vllm_surface.py (the
-server's typed surface of vLLM), against the vLLM class its `STANDS_FOR`
-names: a method's named parameters as the keywords of a call.
+And every member of the protocols in `SURFACES` (the server's typed surface
+of vLLM), against the vLLM class its module's `STANDS_FOR` names: a method's
+named parameters as the keywords of a call.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ HANDLES = {
     "current_platform": "vllm.platforms.interface.Platform",
 }
 SCANNED = ("server", "client", "trainer", "examples")
-SURFACE = "server/engine/vllm_surface.py"
+SURFACES = ("server/engine/vllm_surface.py", "server/weights/worker/vllm_worker.py")
 
 
 @dataclass
@@ -117,7 +117,7 @@ class _Scan(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def surface(root: Path, path: str = SURFACE) -> list[Use]:
+def surface(root: Path, path: str) -> list[Use]:
     """Every member of every protocol `STANDS_FOR` maps to a vLLM class."""
     tree = ast.parse((root / path).read_text(), path)
     stands_for: dict[str, str] = {}
@@ -144,7 +144,8 @@ def surface(root: Path, path: str = SURFACE) -> list[Use]:
 
 def collect(root: Path, folders: tuple[str, ...] = SCANNED) -> list[Use]:
     """Every use in the .py files under `root`/`folders`, and the surface's."""
-    uses: list[Use] = surface(root) if (root / SURFACE).is_file() else []
+    uses: list[Use] = [u for path in SURFACES if (root / path).is_file()
+                       for u in surface(root, path)]
     for folder in folders:
         for path in sorted((root / folder).rglob("*.py")):
             scan = _Scan(str(path.relative_to(root)))

@@ -1,14 +1,19 @@
 """What the pusher needs of a transport: the data plane that carries bucket
-bytes from trainer rank 0 to every replica (the control plane, /weights/*,
-is control/admin_client.py whatever the transport)."""
+bytes from the trainer's sending ranks to every replica (the control plane,
+/weights/*, is control/admin_client.py whatever the transport). Each
+transport's row in protocol/transports.py names its class."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from rollout_sidecar.protocol.data_plane.bucket_mac import PushMacs
+
+if TYPE_CHECKING:
+    from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
+    from rollout_sidecar.trainer.push_config import PushConfig
 
 
 class Pending(Protocol):
@@ -32,6 +37,12 @@ class Transport(Protocol):
     # This push's keyed bucket tags (protocol/data_plane/bucket_mac.py), set by
     # `start_push` when the connection authenticates buckets; else None.
     bucket_macs: PushMacs | None
+
+    @classmethod
+    def from_config(cls, name: str, replicas: ReplicaAdmins, config: PushConfig
+                    ) -> Transport:
+        """The transport `name` (its row's) for one pusher, from its settings."""
+        ...
 
     def ensure_connected(self, statuses: list[Any]) -> None:
         """Make sure every replica (its `WeightStatus` each) can receive."""

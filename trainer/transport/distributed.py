@@ -48,7 +48,6 @@ from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
 from rollout_sidecar.trainer.transport.peer_sender import Rendezvous
-from rollout_sidecar.trainer.transport.registry import sender
 
 if TYPE_CHECKING:
     from rollout_sidecar.trainer.push_config import PushConfig
@@ -74,7 +73,6 @@ def tampered_every_try(e: WeightPushError) -> WeightPushError:
         f"restrict it, see docs/deploy.md); last: {e}")
 
 
-@sender("gloo", "nccl")
 class DistributedTransport:
     name = "gloo"
     # The CRCs go with the prepare (phase 1), so each is computed while its

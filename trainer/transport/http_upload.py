@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
-from rollout_sidecar.trainer.transport.registry import sender
 
 if TYPE_CHECKING:
     from rollout_sidecar.trainer.push_config import PushConfig
@@ -21,7 +20,6 @@ class _Done:
         pass
 
 
-@sender("http")
 class HttpUploadTransport:
     name = "http"
     route = "http"

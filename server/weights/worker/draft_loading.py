@@ -23,7 +23,7 @@ from rollout_sidecar.protocol.schema import DRAFT_PREFIX, is_draft
 from rollout_sidecar.server.weights.worker.reload import DraftLoad, LoadRefused
 
 if TYPE_CHECKING:
-    from rollout_sidecar.server.engine.vllm_surface import VllmWorker
+    from rollout_sidecar.server.weights.worker.vllm_worker import VllmWorker
 
 Weights = list[tuple[str, torch.Tensor]]
 

@@ -1,22 +1,22 @@
-"""The ways a push's bytes reach a worker's staging, one class each. The
-transfer engine (transfer_engine.py) asks the path that the push's opening
-op names where its buckets land and how they arrive, instead of telling
-transports apart; the API process picks the op (server/weights/receivers.py).
+"""The ways a push's bytes reach a worker's staging, one `ReceivePath` each:
+the server's half of a transport, named by its row in protocol/transports.py
+(`receive`). The transfer engine (transfer_engine.py) opens a push with the
+path of the push's transport and asks it where the buckets land and how
+they arrive, instead of telling transports apart.
 
-- `GroupReceive` (gloo, NCCL; opened by `WorkerOp.RECEIVE`): the trainer's
-  data-plane group, in a background thread that CRCs (and tags) each bucket
-  as it lands (bucket_receive.py): a broadcast from the trainer's rank 0, or
-  a chain, where each replica forwards what it got (gloo's threads, NCCL's
-  fused steps), from one trainer rank or from every one.
-- `HttpStage` (HTTP; opened by `WorkerOp.ALLOCATE`, then one `WorkerOp.STAGE`
-  per bucket): the bytes the API process took from a request body; their CRC
-  is computed at the check.
-
-Adding a transport is one `Receiver` in the API process and, if its bytes
-arrive some other way, one class here.
+- `GroupReceive` (gloo, NCCL): the trainer's data-plane group, in a
+  background thread that CRCs (and tags) each bucket as it lands
+  (bucket_receive.py): a broadcast from the trainer's rank 0, or a chain,
+  where each replica forwards what it got (gloo's threads, NCCL's fused
+  steps), from one trainer rank or from every one.
+- `HttpStage` (HTTP): the bytes the API process took from a request body,
+  handed over as one `WorkerOp.STAGE` per bucket; their CRC is computed at
+  the check.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -31,6 +31,22 @@ from rollout_sidecar.server.weights.worker.group_membership import GroupMembersh
 from rollout_sidecar.server.weights.worker.staging import StagedBucket
 
 HOST = torch.device("cpu")
+
+
+class ReceivePath(Protocol):
+    """A transport's receive, opened once per push on each worker."""
+
+    def __init__(self, connection: GroupMembership, device: torch.device) -> None: ...
+
+    def staging_device(self, small: bool) -> torch.device:
+        """Where the push's buckets land (`small`: patches, applied on the host)."""
+        ...
+
+    def start(self, buckets: list[StagedBucket], check: Check = "crc32"
+              ) -> ReceiveThread | None:
+        """Start receiving into `buckets`: the thread that does, or None when
+        they are handed over op by op."""
+        ...
 
 
 class GroupReceive:
@@ -76,7 +92,14 @@ class GroupReceive:
 class HttpStage:
     """Buckets as HTTP bodies, handed over one op at a time."""
 
-    staging_device = HOST
+    def __init__(self, connection: GroupMembership, device: torch.device) -> None:
+        pass  # no group, no device: the API process hands the bytes over
+
+    def staging_device(self, small: bool) -> torch.device:
+        return HOST
+
+    def start(self, buckets: list[StagedBucket], check: Check = "crc32") -> None:
+        return None  # the bytes come as STAGE ops (`stage`)
 
     @staticmethod
     def stage(buckets: list[StagedBucket], bucket: int | None,

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     )
     from rollout_sidecar.server.weights.worker.patching import ResidentCopy
     from rollout_sidecar.server.weights.worker.staging import Staging
-    from rollout_sidecar.server.weights.worker_requests import OpenPush
+    from rollout_sidecar.server.weights.worker_requests import Open
 
 
 class SideChannel:
@@ -40,7 +40,7 @@ class SideChannel:
     role: StagingRole
     connection: GroupMembership
     parallel_config: ParallelConfig
-    _push: OpenPush | None
+    _push: Open | None
 
     def side_call(self, op: str, payload: dict) -> dict:
         handlers: dict[SideOp, Callable[[dict], dict]] = {

@@ -34,6 +34,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from rollout_sidecar.protocol.failpoints import fire
+from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.weights.ops import WorkerOp
 from rollout_sidecar.server.weights.worker.adapter_loading import (
     split_adapter,
@@ -48,17 +49,15 @@ from rollout_sidecar.server.weights.worker.load_failpoints import (
     loaded_with_failpoints,
 )
 from rollout_sidecar.server.weights.worker.patching import ResidentCopy, apply_patches
-from rollout_sidecar.server.weights.worker.receive_paths import GroupReceive, HttpStage
+from rollout_sidecar.server.weights.worker.receive_paths import HttpStage, ReceivePath
 from rollout_sidecar.server.weights.worker.reload import LoadRefused, load_all_or_nothing
 from rollout_sidecar.server.weights.worker.side_channel import SideChannel
 from rollout_sidecar.server.weights.worker.staging import Staging
 from rollout_sidecar.server.weights.worker_requests import (
-    Allocate,
     Check,
     Load,
-    OpenPush,
+    Open,
     Patch,
-    Receive,
     SideRequest,
     Stage,
     WorkerRequest,
@@ -84,7 +83,7 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
         self.delta = Staging()
         self.role = StagingRole.alone(self._worker_rank())
         self.resident = ResidentCopy()
-        self._push: OpenPush | None = None  # the push's Receive or Allocate
+        self._push: Open | None = None  # the request that opened the push
         self.connection = GroupMembership()
         self._receiver: ReceiveThread | None = None  # this push's, once it receives
         self._patched = False  # a delta's patches are in the staged copy (PATCH)
@@ -172,17 +171,16 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
         return request
 
     def receive_weights(self, request: WorkerRequest) -> None:
-        if self._follower and isinstance(request, Receive | Stage | Check):
+        if self._follower and isinstance(request, Open | Stage | Check):
             # The leader receives and checks; a follower only keeps the layout.
-            if isinstance(request, Receive):
+            if isinstance(request, Open):
                 self._allocate(request, torch.device("cpu"))
             self._checked = isinstance(request, Check)
             return
         match request:
-            case Allocate():
-                self._allocate(request, HttpStage.staging_device)
-            case Receive():
-                path = GroupReceive(self.connection, self.device)
+            case Open():  # the push's transport's receive path (protocol/transports.py)
+                path: ReceivePath = transport(request.transport).receive_class()(
+                    self.connection, self.device)
                 self._allocate(request, path.staging_device(small=request.small))
                 self._receiver = path.start(self.incoming.buckets, request.check)
             case Stage():
@@ -223,7 +221,7 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
         if fire("load.crash", self._worker_rank()) is not None:
             raise RuntimeError("failpoint load.crash: the load failed after the model changed")
 
-    def _allocate(self, request: OpenPush, device: torch.device) -> None:
+    def _allocate(self, request: Open, device: torch.device) -> None:
         if request.delta_base is not None:
             self.resident.require(request.delta_base)
             if not self._follower:  # a follower never reads a delta's patches

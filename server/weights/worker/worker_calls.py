@@ -27,14 +27,13 @@ from rollout_sidecar.server.weights.worker_replies import REPLIES, Reply, wire
 from rollout_sidecar.server.weights.worker_requests import parse
 
 if TYPE_CHECKING:
-    from rollout_sidecar.server.engine.vllm_surface import VllmWorker
     from rollout_sidecar.server.weights.worker.transfer_engine import (
         StagedWeightTransferEngine,
     )
+    from rollout_sidecar.server.weights.worker.vllm_worker import VllmWorker
 
 log = logging.getLogger(__name__)
 
-_OPENS_SESSION = (WorkerOp.ALLOCATE, WorkerOp.RECEIVE)
 _SIDE_OPS = {o.value for o in SideOp}
 # A side op returns at once by design (its blocking work runs in threads); one
 # still running after this long is a bug, so every thread's stack goes to the
@@ -82,7 +81,7 @@ def _worker_op(worker: VllmWorker, engine: StagedWeightTransferEngine, op: Worke
         if _session_open(worker):
             worker.finish_weight_update()
         return {"staged_bytes": engine.staged_bytes}
-    if op in _OPENS_SESSION:
+    if op is WorkerOp.OPEN:
         _close(worker, engine)  # one left open by a push that never ended here
         worker.start_weight_update()
     elif not _session_open(worker):
