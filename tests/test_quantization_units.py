@@ -8,8 +8,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from rollout_sidecar.protocol.precisions import precision
 from rollout_sidecar.server.config import ServerSettings
-from rollout_sidecar.trainer.probe import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE, default_tolerance
+from rollout_sidecar.trainer.probe import QUANTIZED_TOLERANCE, default_tolerance
 
 SCHEME = "int8_per_channel_weight_only"
 
@@ -25,9 +26,9 @@ def test_float32_serving_refuses_quantization_by_name():
 
 def test_the_probe_holds_a_quantized_server_to_its_own_tolerance():
     bf16 = torch.bfloat16
-    assert default_tolerance(bf16, bf16) == DEFAULT_TOLERANCE[bf16]
+    assert default_tolerance(bf16, bf16) == precision("bfloat16").probe_tolerance
     assert default_tolerance(bf16, torch.float32, SCHEME) == QUANTIZED_TOLERANCE
-    assert QUANTIZED_TOLERANCE > DEFAULT_TOLERANCE[bf16]
+    assert QUANTIZED_TOLERANCE > precision("bfloat16").probe_tolerance
 
 
 def test_an_empty_variable_is_no_quantization(monkeypatch):

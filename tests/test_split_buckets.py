@@ -272,7 +272,7 @@ def test_the_wire_counts_every_torch_dtype_as_torch_does():
     """The schema sizes slots without torch (the client imports it): its
     itemsize, read off the dtype's name, is torch's for every dtype."""
     from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
-    from rollout_sidecar.protocol.schema.manifest_api import dtype_itemsize
+    from rollout_sidecar.protocol.precisions import dtype_itemsize
 
     dtypes = {d for d in vars(torch).values() if isinstance(d, torch.dtype)}
     assert len(dtypes) > 20

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from rollout_sidecar.protocol.data_plane.wire_format import dtype_name
+from rollout_sidecar.protocol.precisions import probe_tolerance
 from rollout_sidecar.protocol.schema import ProbeRequest, ProbeResult
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins, failures
 from rollout_sidecar.trainer.control.serving_state import ServingState
@@ -50,10 +52,8 @@ log = logging.getLogger(__name__)
 PROBE_TOKENS = 64
 _SEED = 20261122
 
-# Largest acceptable mean |dlogp| over the probe, by the coarser of the two
-# sides' logit precision. fp32 serving matches a fp32 forward to ~1e-7; bf16
-# and fp16 round differently in each engine, so only gross errors show there.
-DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.05, torch.bfloat16: 0.1}
+# Largest acceptable mean |dlogp| over the probe: by the coarser of the two
+# sides' logit precision, each precision's row (protocol/precisions.py).
 # Drift, relative to the floor: each probe is also compared with the gap the
 # probe of the push before it measured, if it passed (the floor of this engine
 # pair on weights one step away; with `probe_every` > 1 there is none): a gap
@@ -101,8 +101,7 @@ def default_tolerance(serve_dtype: torch.dtype, logits_dtype: torch.dtype,
     """By the coarser side's precision; a quantized server's own."""
     if quantization is not None:
         return QUANTIZED_TOLERANCE
-    coarse = max((serve_dtype, logits_dtype), key=lambda d: DEFAULT_TOLERANCE.get(d, 0.1))
-    return DEFAULT_TOLERANCE.get(coarse, 0.1)
+    return probe_tolerance(dtype_name(serve_dtype), dtype_name(logits_dtype))
 
 
 def hf_forward(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

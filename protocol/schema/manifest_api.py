@@ -7,11 +7,11 @@ patches are sized by it before any diff is sent."""
 from __future__ import annotations
 
 import math
-import re
 from typing import Literal
 
 from pydantic import Field
 
+from rollout_sidecar.protocol.precisions import dtype_itemsize
 from rollout_sidecar.protocol.schema.fields import Int, NonNegative, StrictModel, not_null
 
 PatchFormName = Literal["dense", "index", "gaps", "bitmap"]
@@ -19,16 +19,6 @@ POSITION_ALIGN = 8  # a patch's values start at a multiple of this, after its po
 # Every slot starts at a multiple of this in its bucket (any dtype's view is
 # aligned), and a bucket is its slots padded to it at most.
 SLOT_ALIGN = 64
-
-
-def dtype_itemsize(name: str) -> int:
-    """Bytes per element of the torch dtype `name` ("bfloat16" -> 2), read off
-    its name without torch: its bits, a byte at least (bool, and sub-byte or
-    packed dtypes, take one). torch's own for every torch dtype (tested)."""
-    bits = re.search(r"\d+", name)
-    if name != "bool" and bits is None:
-        raise ValueError(f"unknown dtype {name!r}")
-    return max(1, int(bits.group()) // 8) if bits else 1
 
 
 def patch_nbytes(form: str, numel: int, changed: int, itemsize: int) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_sidecar.protocol.precisions import dtype_itemsize
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine import kv_cache_size
 from rollout_sidecar.server.engine.adapter_table import lora_engine_args
@@ -50,7 +51,8 @@ def build(settings: ServerSettings, model_path: Path, index: CheckpointIndex,
     from vllm.usage.usage_lib import UsageContext
 
     s = settings
-    width = 4 if s.dtype == "float32" else 2
+    # "auto": the checkpoint's own, which vLLM serves as bfloat16 or float16.
+    width = 2 if s.dtype == "auto" else dtype_itemsize(s.dtype)
     served_bytes = index.num_parameters * width
     split = split_bytes(t.numel * width for t in index.tensors.values())
     defaults = resolve_defaults(s, served_bytes, split)

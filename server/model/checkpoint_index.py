@@ -18,16 +18,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from rollout_sidecar.protocol.precisions import FLOATING, dtype_itemsize, from_safetensors
 from rollout_sidecar.protocol.schema import DRAFT_PREFIX
 
 # vLLM's AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER drops these.
 IGNORED_SUFFIXES = ("rotary_pos_emb.inv_freq", "rotary_emb.inv_freq", "rotary_emb.cos_cached",
                     "rotary_emb.sin_cached")
-FLOATING = {"bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
-
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
-              "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-              "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 @dataclass(frozen=True)
@@ -38,11 +34,6 @@ class TensorSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-_WIDTH = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
-          "float8_e5m2": 1, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
-_OTHER_WIDTH = 8  # int64: the widest left
 
 
 @dataclass
@@ -82,7 +73,8 @@ class CheckpointIndex:
         if spec.dtype not in FLOATING:
             return spec.dtype
         bulk = self.bulk_dtype
-        if bulk is not None and _WIDTH[spec.dtype] > max(_WIDTH[bulk], _WIDTH[serve_dtype]):
+        width = dtype_itemsize
+        if bulk is not None and width(spec.dtype) > max(width(bulk), width(serve_dtype)):
             return spec.dtype
         return serve_dtype
 
@@ -92,7 +84,7 @@ class CheckpointIndex:
 
     def push_bytes(self, serve_dtype: str) -> int:
         """The bytes a dense push carries: every tensor in its push dtype."""
-        return sum(t.numel * _WIDTH.get(self.push_dtype(t, serve_dtype), _OTHER_WIDTH)
+        return sum(t.numel * dtype_itemsize(self.push_dtype(t, serve_dtype))
                    for t in self.tensors.values())
 
     @classmethod
@@ -110,7 +102,7 @@ class CheckpointIndex:
                 if name == "__metadata__":
                     continue
                 tensors[name] = TensorSpec(tuple(meta["shape"]),
-                                           _ST_DTYPES.get(meta["dtype"], meta["dtype"]))
+                                           from_safetensors(meta["dtype"]))
         config = json.loads((path / "config.json").read_text())
         tie = bool(config.get("tie_word_embeddings", False))
         # A tied head is the embedding; pushes may send it under either name.

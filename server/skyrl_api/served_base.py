@@ -26,15 +26,18 @@ import torch
 from safetensors import safe_open
 
 from rollout_sidecar.protocol.data_plane.wire_format import torch_dtype
+from rollout_sidecar.protocol.precisions import PRECISIONS
 from rollout_sidecar.protocol.schema import StagedCopy
 from rollout_sidecar.server.errors import PushConflict
 
 if TYPE_CHECKING:
     from rollout_sidecar.server.weights.service import WeightService
 
-_SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-                "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+# The stored dtypes a served tensor is cast back to (protocol/precisions.py's
+# rows), but float8: such a tensor keeps the served dtype (None below), since a
+# cast to float8 rarely gives back the served bytes.
+_CAST_BACK = {p.safetensors: p.name for p in PRECISIONS.values()
+              if not p.name.startswith("float8")}
 
 
 def checkpoint_dtypes(folder: Path) -> dict[str, torch.dtype | None]:
@@ -44,7 +47,8 @@ def checkpoint_dtypes(folder: Path) -> dict[str, torch.dtype | None]:
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[name] = _SAFETENSORS.get(f.get_slice(name).get_dtype())
+                code = f.get_slice(name).get_dtype()
+                out[name] = torch_dtype(_CAST_BACK[code]) if code in _CAST_BACK else None
     return out
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollout_sidecar.protocol.precisions import dtype_itemsize
 from rollout_sidecar.protocol.schema import BeginRequest, TensorSlot, is_draft
-from rollout_sidecar.protocol.schema.manifest_api import SLOT_ALIGN, dtype_itemsize
+from rollout_sidecar.protocol.schema.manifest_api import SLOT_ALIGN
 from rollout_sidecar.server.errors import BadRequest
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 from rollout_sidecar.server.weights.adapter_check import AdapterFactors

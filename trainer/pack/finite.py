@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 1 << 20  # elements per step: the scratch buffer is 2 to 8 MiB
+from rollout_sidecar.protocol.precisions import PRECISIONS
 
-# dtype -> (same-size integer dtype, mask without the sign bit, bits of +inf)
+BLOCK = 1 << 20  # elements per step: the scratch buffer is 2 to 8 MiB
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# dtype -> (same-size integer dtype, mask without the sign bit, bits of +inf):
+# each precision's row that has them (protocol/precisions.py).
 _BITS = {
-    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
-    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
-    torch.float32: (torch.int32, 0x7FFF_FFFF, 0x7F80_0000),
-    torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+    getattr(torch, p.name): (_INT_OF_SIZE[p.itemsize], p.magnitude_mask, p.inf_bits)
+    for p in PRECISIONS.values() if p.magnitude_mask is not None and p.inf_bits is not None
 }
 
 
