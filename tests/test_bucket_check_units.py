@@ -4,7 +4,9 @@ and which ranks send (trainer/pack/bucket_senders.py, trainer/sending_ranks.py).
 
 from __future__ import annotations
 
+import re
 import zlib
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -75,6 +77,32 @@ def test_a_trainer_checks_on_the_device_only_where_every_replica_can():
     assert preferred_check(on_device=True, offered=True) == "sum64"
     assert preferred_check(on_device=True, offered=False) == "crc32"
     assert preferred_check(on_device=False, offered=True) == "crc32"
+
+
+def test_every_check_is_a_row_its_callers_ask():
+    """The wire's names are the table's; a check that runs piece by piece gives
+    a whole bucket's value over pieces; a device check needs no host copy
+    unless the bucket is tagged; and no check name is compared outside the table."""
+    from typing import get_args
+
+    from rollout_sidecar.protocol.schema import Check
+
+    assert set(get_args(Check)) == set(bucket_check.CHECKS)
+    buf = random_bytes((1 << 20) + 3)
+    for chk in bucket_check.CHECKS.values():
+        assert chk.compute(buf) == bucket_check.checksum(buf, chk.name)
+        if chk.running is not None:
+            assert chk.running(buf[7:], chk.running(buf[:7], 0)) == chk.compute(buf)
+        assert chk.needs_host_copy(tagged=True)
+        assert chk.needs_host_copy(tagged=False) == (not chk.on_device)
+    with pytest.raises(ValueError, match="check must be one of"):
+        bucket_check.bucket_check("md5")
+    root = Path(__file__).resolve().parents[1]
+    compared = re.compile(r"""[=!]= *["'](crc32|sum64)["']|["'](crc32|sum64)["'] *[=!]=""")
+    found = [f"{f.relative_to(root)}:{i}" for d in ("trainer", "server", "protocol", "client")
+             for f in sorted((root / d).rglob("*.py"))
+             for i, line in enumerate(f.read_text().splitlines(), 1) if compared.search(line)]
+    assert found == []
 
 
 def _buckets(sizes: list[int]) -> list[BucketManifest]:

@@ -26,12 +26,19 @@ Exact on every device: within one chunk each product fits int32
 (|word| <= 2^15, weight <= 65521 < 2^16: |product| < 2^31) and each chunk's
 sums fit int64 (2^24 words of < 2^31), so integer reductions give the same
 value on CPU and GPU whatever their order.
+
+Each check is one `BucketCheck` in `CHECKS`, asked by the senders and the
+receivers what they need (is it computed where the bytes are, or on the
+host? can it run piece by piece as a bucket arrives?) instead of comparing
+names; a new check is a row there and its name in the wire's `Check`.
 """
 
 from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -87,12 +94,46 @@ def sum64(buf: torch.Tensor) -> int:
     return ((a & _MASK) << 32) | (b & _MASK)
 
 
+@dataclass(frozen=True)
+class BucketCheck:
+    name: Check
+    # Computed where the bytes are, device memory included; otherwise on the
+    # host, so a bucket in device memory needs a host copy to be checked.
+    on_device: bool
+    compute: Callable[[torch.Tensor], int]  # the value of a whole bucket
+    # The value carried over pieces as they arrive (`(piece, value so far)`);
+    # None: only a whole bucket's, once it arrived.
+    running: Callable[[torch.Tensor, int], int] | None = None
+
+    def needs_host_copy(self, tagged: bool) -> bool:
+        """A device bucket's bytes must come to the host: for this check, or
+        for the keyed tag (`tagged`: bucket_mac.py hashes on the host)."""
+        return not self.on_device or tagged
+
+
+CHECKS: dict[str, BucketCheck] = {c.name: c for c in (
+    BucketCheck("crc32", on_device=False, compute=crc32, running=crc32),
+    BucketCheck("sum64", on_device=True, compute=sum64),
+)}
+DEFAULT_CHECK = CHECKS["crc32"]  # every trainer speaks it (and one that names none means it)
+
+
+def bucket_check(name: str) -> BucketCheck:
+    """The check of this name; a ValueError names the known ones."""
+    try:
+        return CHECKS[name]
+    except KeyError:
+        raise ValueError(f"check must be one of {sorted(CHECKS)}, not {name!r}") from None
+
+
 def checksum(buf: torch.Tensor, check: Check) -> int:
-    """`buf`'s value under `check`: sum64 where the bytes are, crc32 on the host."""
-    return sum64(buf) if check == "sum64" else crc32(buf)
+    """`buf`'s value under `check`, computed where its check computes."""
+    return bucket_check(check).compute(buf)
 
 
 def preferred_check(on_device: bool, offered: bool) -> Check:
-    """A trainer's check: sum64 for buckets in GPU memory where every replica
-    takes it, else crc32 (host buckets: ISA-L's CRC-32 is faster on the host)."""
-    return "sum64" if on_device and offered else "crc32"
+    """A trainer's check: one computed in device memory for buckets there,
+    where every replica takes it; else the default (host buckets: ISA-L's
+    CRC-32 is faster on the host than sum64 there)."""
+    device = next(c for c in CHECKS.values() if c.on_device)
+    return device.name if on_device and offered else DEFAULT_CHECK.name

@@ -19,7 +19,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from rollout_sidecar.protocol.data_plane.bucket_check import crc32_of_bytes
+from rollout_sidecar.protocol.data_plane.bucket_check import (
+    DEFAULT_CHECK,
+    bucket_check,
+    crc32_of_bytes,
+)
 from rollout_sidecar.protocol.schema import (
     CAPABILITIES,
     CHUNKS_INTERLEAVED,
@@ -279,7 +283,7 @@ class WeightService:
             if transport(req.transport).joins_group:
                 self.plane.check_owner(req.connection_id)
                 self.plane.check_senders(req.buckets)
-            elif req.check != "crc32":  # an HTTP body is checked here, as it comes
+            elif bucket_check(req.check) is not DEFAULT_CHECK:  # a body's CRC-32, as it comes
                 raise BadRequest(f"check {req.check}: the http transport's bodies are checked "
                                  "with crc32", "check")
             self._check_adapter(req)

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rollout_sidecar.protocol.data_plane.bucket_check import crc32, sum64
+from rollout_sidecar.protocol.data_plane.bucket_check import bucket_check
 from rollout_sidecar.protocol.data_plane.delta_codec import Patch, write
 from rollout_sidecar.protocol.data_plane.wire_format import slot_bytes, torch_dtype
 from rollout_sidecar.protocol.failpoints import fire
@@ -74,6 +74,7 @@ class BucketSender:
         in_flight: list[Pending | None] = [None, None]
         flying = [0, 0]  # the bucket each buffer is sending
         checksums: list[int] = []
+        chk = bucket_check(check)  # (an HTTP push's is the default: the server takes no other)
         # gloo/NCCL with a connection secret: this push's keyed tags (bucket_mac.py).
         macs = transport.bucket_macs
         err: Error | None = None
@@ -115,7 +116,7 @@ class BucketSender:
                 wire = fire("push.send", index=b.index, buf=buf)
                 wire = buf if wire is None else wire
                 if transport.checksum_in_request:
-                    checksums.append(crc32(buf))
+                    checksums.append(chk.compute(buf))
                     in_flight[slot] = transport.send(b.index, wire, push_ids, checksums[-1])
                 else:
                     # The values (and tags) travel with the prepare, so compute
@@ -123,12 +124,12 @@ class BucketSender:
                     # release the GIL). An NCCL bucket's sum64 is computed in
                     # device memory; it comes to the host only for a CRC or a tag.
                     in_flight[slot] = transport.send(b.index, wire, push_ids, None)
-                    if check == "sum64":
-                        checksums.append(sum64(buf))
-                    host = None if check == "sum64" and macs is None else (
+                    if chk.on_device:
+                        checksums.append(chk.compute(buf))
+                    host = None if not chk.needs_host_copy(tagged=macs is not None) else (
                         buf if buf.is_cpu else buf.cpu())
-                    if check == "crc32":
-                        checksums.append(crc32(host))
+                    if not chk.on_device:
+                        checksums.append(chk.compute(host))
                     if macs is not None:
                         macs.add(b.index, host)
             except Exception as e:

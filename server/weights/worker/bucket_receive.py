@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.protocol.data_plane.bucket_check import crc32, sum64
+from rollout_sidecar.protocol.data_plane.bucket_check import BucketCheck, bucket_check
 from rollout_sidecar.protocol.data_plane.bucket_group import relay_buckets
 from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac
 from rollout_sidecar.protocol.data_plane.chain_steps import relay_steps
@@ -60,28 +60,29 @@ def receive_broadcast(group: Any, buckets: list[StagedBucket], backend: str,
     bucket's `sum64` is computed in device memory (bucket_check.py): no host
     copy unless a CRC-32 or a tag needs one."""
     use_device(device, backend)
+    chk = bucket_check(check)
     pending = None
     bounce = host_copy = None
     if buckets and transport(backend).on_device:
         size = max(b.nbytes for b in buckets)
         if buckets[0].buffer.is_cpu:  # host staging: through the device
             bounce = torch.empty(size, dtype=torch.uint8, device=device)
-        elif check == "crc32" or key is not None:  # device staging: a host copy to read
+        elif chk.needs_host_copy(tagged=key is not None):  # device staging: a copy to read
             host_copy = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     for b in buckets:
         target = b.buffer if bounce is None else bounce[: b.nbytes]
         work = group.broadcast(target)
         if pending is not None:  # the previous bucket, while this one arrives
-            _digest(pending, key, host_copy, check)
+            _digest(pending, key, host_copy, chk)
         work.wait()
         if bounce is not None:
-            if check == "sum64":  # where the bytes are, before they leave the device
-                b.checksum = sum64(target)
+            if chk.on_device:  # where the bytes are, before they leave the device
+                b.checksum = chk.compute(target)
             b.buffer.copy_(target)  # synchronous: the next broadcast reuses it
         b.received = True
         pending = b
     if pending is not None:
-        _digest(pending, key, host_copy, check)
+        _digest(pending, key, host_copy, chk)
 
 
 def receive_chain(group: Any, buckets: list[StagedBucket], rank: int, world_size: int,
@@ -98,12 +99,14 @@ def receive_chain(group: Any, buckets: list[StagedBucket], rank: int, world_size
     round (protocol/data_plane/ring_route.py)."""
     routes = [(b.buffer, *route(k, rank, b.source, senders, world_size, ring_starts))
               for k, b in enumerate(buckets)]
-    crcs = [0] * len(buckets)
+    chk = bucket_check(check)
+    running = chk.running  # piece by piece as they arrive, if the check can
+    values = [0] * len(buckets)
     macs = [BucketMac(key) if key is not None else None for _ in buckets]
 
     def add(k: int, piece: torch.Tensor) -> None:
-        if check == "crc32":
-            crcs[k] = crc32(piece, crcs[k])
+        if running is not None:
+            values[k] = running(piece, values[k])
         mac = macs[k]
         if mac is not None:
             mac.update(piece)
@@ -118,25 +121,25 @@ def receive_chain(group: Any, buckets: list[StagedBucket], rank: int, world_size
     else:
         relay_buckets(group, routes, window=senders, on_piece=add)
     for k, b in enumerate(buckets):
-        b.checksum = crcs[k] if check == "crc32" else sum64(b.buffer)
+        b.checksum = values[k] if running is not None else chk.compute(b.buffer)
         b.mac = macs[k]
         b.received = True
 
 
 def _digest(b: StagedBucket, key: bytes | None, host_copy: torch.Tensor | None,
-            check: Check) -> None:
-    """A bucket's check value (and tag): `sum64` where the bucket is; a
-    CRC-32 or tag of a device bucket through one reused pinned host copy, so
-    the check (on the worker's main thread) copies nothing."""
+            chk: BucketCheck) -> None:
+    """A bucket's check value (and tag): a device check where the bucket is;
+    a host check or tag of a device bucket through one reused pinned host
+    copy, so the check (on the worker's main thread) copies nothing."""
     data = b.buffer
-    if check == "sum64" and b.checksum is None:
-        b.checksum = sum64(data)
-    if check == "sum64" and key is None:
+    if chk.on_device and b.checksum is None:
+        b.checksum = chk.compute(data)
+    if not chk.needs_host_copy(tagged=key is not None):
         return
     if not data.is_cpu:
         assert host_copy is not None
         data = host_copy[: b.nbytes]
         data.copy_(b.buffer)
-    if check == "crc32":
-        b.checksum = crc32(data)
+    if not chk.on_device:
+        b.checksum = chk.compute(data)
     b.mac = BucketMac(key).update(data) if key is not None else None

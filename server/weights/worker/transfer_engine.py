@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from rollout_sidecar.protocol.data_plane.bucket_check import DEFAULT_CHECK
 from rollout_sidecar.protocol.failpoints import fire
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.weights.ops import WorkerOp
@@ -202,7 +203,7 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
             self.incoming.buckets[0].checksum = None  # recomputed: sees the fault
         self._check_macs(request)  # first: a forger fixes the CRC up too
         self.incoming.check(request.checksums,
-                            self._push.check if self._push is not None else "crc32")
+                            self._push.check if self._push is not None else DEFAULT_CHECK.name)
         self._checked = True
 
     def _load_push(self, request: Load) -> None:
