@@ -10,12 +10,11 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-from rollout_sidecar.trainer.integrations.trl import (
-    SidecarRollout,
-    _unsupported_sampling,
+from rollout_sidecar.trainer.integrations.trl import SidecarRollout, repeats
+from rollout_sidecar.trainer.integrations.trl_trainer import (
     fsdp_fallback,
     push_target,
-    repeats,
+    unsupported_sampling,
 )
 from tests import processes
 
@@ -64,9 +63,9 @@ def test_logprobs_mode_against_sampling(mode, t, ok):
 
 
 def test_sampling_the_server_cannot_apply():
-    assert _unsupported_sampling(trainer()) == []
-    assert _unsupported_sampling(trainer(generation_kwargs={"stop": ["\n"]})) == []
-    bad = _unsupported_sampling(trainer(min_p=0.1, repetition_penalty=1.1,
+    assert unsupported_sampling(trainer()) == []
+    assert unsupported_sampling(trainer(generation_kwargs={"stop": ["\n"]})) == []
+    bad = unsupported_sampling(trainer(min_p=0.1, repetition_penalty=1.1,
                                         generation_kwargs={"seed": 1}))
     assert len(bad) == 3
 

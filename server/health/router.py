@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, Request
 from rollout_sidecar.protocol.schema import HealthResponse, InfoResponse, routes
 from rollout_sidecar.server.app_state import services
 from rollout_sidecar.server.auth import serve
-from rollout_sidecar.server.weights.service import transports
+from rollout_sidecar.server.weights.self_report import transports
 
 router = APIRouter()
 

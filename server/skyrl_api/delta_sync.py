@@ -51,6 +51,7 @@ from rollout_sidecar.protocol.schema import BeginRequest, BucketManifest, Tensor
 from rollout_sidecar.protocol.schema.manifest_api import SLOT_ALIGN
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.skyrl_api import served_base
+from rollout_sidecar.server.weights import self_report
 from rollout_sidecar.server.weights.in_process_push import Bucket, push_in_process
 
 if TYPE_CHECKING:
@@ -239,7 +240,7 @@ async def push_into(svc: WeightService, version: int, tensors: dict[str, torch.T
     """`tensors` (checkpoint names) into this server as an in-process push:
     the layout planned from the served index first, each bucket packed only
     when it is staged (one bucket in memory beside the base)."""
-    index = svc.index()
+    index = self_report.weight_index(svc)
     missing = [n for n in index.tensors if n not in tensors]
     if missing:
         raise BadRequest(f"the synced weights lack {len(missing)} tensors the served model "

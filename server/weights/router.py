@@ -31,6 +31,7 @@ from rollout_sidecar.protocol.schema import (
 from rollout_sidecar.server.app_state import services
 from rollout_sidecar.server.auth import credential, serve
 from rollout_sidecar.server.front_door import BodyTooLarge
+from rollout_sidecar.server.weights import self_report
 from rollout_sidecar.server.weights.peer_copy import bucket_headers
 from rollout_sidecar.server.weights.service import WeightService
 
@@ -63,12 +64,13 @@ async def peer_challenge(request: Request, nonce: str = Body(..., embed=True,
 
 @serve(router, routes.STATUS)
 async def status(request: Request) -> Response:
-    return _to_peer(request, _svc(request).status().model_dump_json().encode())
+    status = self_report.weight_status(_svc(request))
+    return _to_peer(request, status.model_dump_json().encode())
 
 
 @serve(router, routes.INDEX)
 async def index(request: Request) -> WeightIndex:
-    return _svc(request).index()
+    return self_report.weight_index(_svc(request))
 
 
 @serve(router, routes.PROBE)

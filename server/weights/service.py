@@ -1,11 +1,12 @@
-"""The weight routes' facade: status, index, connect, begin, buckets, and the
-phases that live in their own modules.
+"""The weight routes' facade: connect, begin, buckets, and the phases that
+live in their own modules.
 
 State lives in two places: who owns the data plane (data_plane.py) and the
 push in progress (push_session.py), both changed only under the session lock.
 This module starts a push (connect, begin), releases a connection
 (disconnect) and stages its HTTP buckets; the rest is one module per idea:
 
+- self_report.py: what the server says of its weights (status, index),
 - commit.py: prepare, commit, abort (the two-phase commit, server side),
 - watchdog.py: the deadline and receive-failure watcher of every push,
 - probe_scoring.py: POST /weights/probe and marking a version suspect.
@@ -14,7 +15,6 @@ This module starts a push (connect, begin), releases a connection
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -25,9 +25,6 @@ from rollout_sidecar.protocol.data_plane.bucket_check import (
     crc32_of_bytes,
 )
 from rollout_sidecar.protocol.schema import (
-    CAPABILITIES,
-    CHUNKS_INTERLEAVED,
-    DRAFT,
     BeginRequest,
     BeginResponse,
     CommitRequest,
@@ -41,16 +38,13 @@ from rollout_sidecar.protocol.schema import (
     PrepareResponse,
     ProbeRequest,
     ProbeResult,
-    TensorInfo,
-    WeightIndex,
-    WeightStatus,
 )
-from rollout_sidecar.protocol.transports import TRANSPORTS, transport
+from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine.engine_api import Engine, Scorer
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
-from rollout_sidecar.server.weights import ops, rendezvous_address, staging_layout
+from rollout_sidecar.server.weights import ops, rendezvous_address, self_report, staging_layout
 from rollout_sidecar.server.weights.commit import CommitPhases
 from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.manifest_check import check_manifest
@@ -66,19 +60,6 @@ if TYPE_CHECKING:
     from rollout_sidecar.server.engine.vllm_surface import VllmEngine
 
 log = logging.getLogger(__name__)
-
-
-@functools.cache
-def transports() -> list[str]:
-    """The transports this server takes. NCCL needs a GPU on the server; gloo
-    and HTTP work everywhere, including one GPU shared by trainer and server.
-    Asked of vLLM's platform (NVML on CUDA) once the engine runs, and once:
-    never of `torch.cuda` at import, which would initialise CUDA in the
-    process vLLM then forks its engine core from."""
-    from vllm.platforms import current_platform
-
-    gpu = current_platform.is_cuda_alike()
-    return [t.name for t in TRANSPORTS.values() if gpu or not t.needs_gpu]
 
 
 class WeightService:
@@ -136,7 +117,7 @@ class WeightService:
                                                                      hosts, s)
         for warning in layout.warnings:
             log.warning("staging: %s", warning)
-        if (why := self.interleaved_chunks_refused()) is not None:
+        if (why := self_report.own_rows_refused(self)) is not None:
             log.info("pushes of own rows (chunks:interleaved) not taken: %s", why)
         log.info("staging: %s (a staged copy: %.1f MiB)", layout.describe(), staged / 2**20)
         if layout.shared:
@@ -154,58 +135,6 @@ class WeightService:
         self.plane.stop()
         if self.shared_root is not None:
             self.shared_root.remove()
-
-    # ------------------------------------------------------------ read-only
-
-    def status(self) -> WeightStatus:
-        gate, info, p = self.engine.gate, self.info, self.session.current
-        return WeightStatus(
-            weight_version=gate.version, dtype=info.dtype, quantization=info.quantization,
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len, boot_id=self.boot_id,
-            push_state=self.session.state.value, push_in_progress=p is not None,
-            push_id=p.push_id if p else None,
-            connected=self.plane.owner.id if self.plane.owner else None,
-            data_plane_port=self.plane.port, data_plane_ranks=self.plane.ranks,
-            staging_layout=self.layout.describe() if self.layout else None,
-            transports=transports(), capabilities=self.capabilities(),
-            requires=self.plane.requires(),
-            push_timeout_s=self.settings.push_timeout_s,
-            commit_drain_s=self.settings.commit_drain_s, last_push=self.session.last,
-            last_probe=self.last_probe, suspect=gate.suspect.get(gate.version),
-            broken=gate.broken, delta_base=self.commits.delta_base,
-            lora=self.engine.adapters.status(), staged_bytes=self.commits.staged_bytes,
-            catch_up=dict(self.peer_copy.timeline) or None,
-            drafter=drafter.status(gate.version) if (drafter := self.engine.drafter) else None)
-
-    def capabilities(self) -> list[str]:
-        """What this server takes beyond the first protocol (weights_api.py)."""
-        caps = [*CAPABILITIES, *([DRAFT] if self.engine.index.draft else [])]
-        if self.interleaved_chunks_refused() is not None:
-            caps.remove(CHUNKS_INTERLEAVED)
-        return caps
-
-    def interleaved_chunks_refused(self) -> str | None:
-        """Why this server does not take a push of own rows (None: it does).
-        Every tensor of one arrives split, and each worker reassembles the
-        whole model at a load (staging.py): one extra copy of the model in
-        host memory with one worker, but one per worker with TP > 1 (a
-        shared copy too: each worker reads every tensor whole), and in GPU
-        memory with device staging."""
-        workers = sum(len(g.ranks) for g in self.layout.groups) if self.layout else 0
-        if workers != 1:
-            return f"{workers} workers would each copy the whole model at a load"
-        if self.settings.weight_staging == "device":
-            return "device staging would copy the whole model in GPU memory at a load"
-        return None
-
-    def index(self) -> WeightIndex:
-        idx, serve = self.engine.index, self.info.dtype
-        return WeightIndex(
-            tensors={n: TensorInfo(shape=list(t.shape), dtype=idx.push_dtype(t, serve))
-                     for n, t in idx.tensors.items()},
-            ignored=sorted(idx.ignored), tie_word_embeddings=idx.tie_word_embeddings,
-            draft=sorted(idx.draft))
 
     # -------------------------------------------------------- connect, begin
 

@@ -40,16 +40,21 @@ and $ROLLOUT_SIDECAR_ADMIN_TOKEN (or the arguments). Then, on every rank:
 from __future__ import annotations
 
 import logging
-import os
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from torch import nn
-
 from rollout_sidecar.client import GenerationClient
+from rollout_sidecar.trainer.integrations.trl_trainer import (
+    changed_sampling,
+    close_at_train_end,
+    enable_importance_sampling,
+    fsdp_fallback,
+    push_target,
+    unsupported_sampling,
+)
 from rollout_sidecar.trainer.push_result import PushResult
 from rollout_sidecar.trainer.pusher import WeightPusher
 
@@ -233,7 +238,7 @@ class SidecarRollout:
 
     def _attach(self, trainer: Any) -> None:
         """First call: check the settings, connect, and hook into TRL."""
-        unsupported = _unsupported_sampling(trainer)
+        unsupported = unsupported_sampling(trainer)
         if unsupported:
             raise ValueError(f"rollout-sidecar's /generate cannot apply {', '.join(unsupported)}; "
                              "leave them at their defaults")
@@ -251,8 +256,8 @@ class SidecarRollout:
         if fallback and trainer.accelerator.is_main_process:
             warnings.warn(f"rollout-sidecar: {fallback}", stacklevel=3)
         if correct:
-            _enable_importance_sampling(trainer, self)
-        trainer.add_callback(_close_at_train_end(self))
+            enable_importance_sampling(trainer, self)
+        trainer.add_callback(close_at_train_end(self))
 
     def _connect(self) -> None:
         if self.client is None:
@@ -261,7 +266,7 @@ class SidecarRollout:
             self.pusher = WeightPusher(self.url, self.admin_token, **self.push_options)
 
     def _check_logprobs(self, trainer: Any, correct: bool) -> None:
-        changed = _changed_sampling(trainer)
+        changed = changed_sampling(trainer)
         if self.logprobs_mode == PROCESSED or not changed:
             log.info("rollout-sidecar: logprobs_mode %s fits the trainer's sampling (%s)",
                      self.logprobs_mode, ", ".join(changed) or "unmodified")
@@ -285,82 +290,3 @@ def repeats(prompt_ids: list[list[int]]) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     return runs
-
-
-def push_target(trainer: Any) -> nn.Module:
-    """The model whose parameters a push gathers: DDP's inner module (full
-    parameters on every rank), else what the trainer wraps (FSDP2 shards in
-    place, so its parameters are DTensor shards; an FSDP1 root; a plain or
-    PEFT model)."""
-    model = trainer.model_wrapped
-    if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-        return model.module
-    return model
-
-
-def fsdp_fallback(trainer: Any) -> str | None:
-    """What went wrong when FSDP was asked for and accelerate ran something else.
-
-    accelerate (1.15) turns an FSDP config into FSDP only on accelerator devices;
-    on CPU its state stays MULTI_CPU and `prepare` wraps the model in DDP, with no
-    message: every rank then holds and trains the whole model."""
-    asked = (os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-             or bool(getattr(trainer.args, "fsdp", None)))
-    ran = str(trainer.accelerator.distributed_type)
-    if not asked or ran.endswith("FSDP"):
-        return None
-    return (f"FSDP was configured but accelerate runs {ran.rsplit('.', 1)[-1]} "
-            f"({type(trainer.model_wrapped).__name__}): accelerate enables FSDP only on "
-            "GPU/XPU/NPU-class devices. Pushes still send full weights; for FSDP2 on CPU "
-            "shard with fully_shard under torchrun (examples/fsdp_grpo_step.py)")
-
-
-def _changed_sampling(trainer: Any) -> list[str]:
-    """The sampling settings that make processed logprobs differ from raw."""
-    changed = []
-    if trainer.temperature != 1.0:
-        changed.append(f"temperature={trainer.temperature}")
-    if trainer.top_k:
-        changed.append(f"top_k={trainer.top_k}")
-    if trainer.top_p != 1.0:
-        changed.append(f"top_p={trainer.top_p}")
-    return changed
-
-
-def _unsupported_sampling(trainer: Any) -> list[str]:
-    bad = []
-    if trainer.min_p:
-        bad.append(f"min_p={trainer.min_p}")
-    if trainer.repetition_penalty != 1.0:
-        bad.append(f"repetition_penalty={trainer.repetition_penalty}")
-    extra = set(trainer.args.generation_kwargs or {}) - {"stop"}
-    if extra:
-        bad.append(f"generation_kwargs {sorted(extra)}")
-    return bad
-
-
-def _enable_importance_sampling(trainer: Any, rollout: SidecarRollout) -> None:
-    """Turn on TRL's importance-sampling correction for our samples: TRL
-    gates it on `use_vllm`, and with `use_vllm` it calls
-    `vllm_generation.sync_weights()` whenever the step changed, which is ours."""
-    args = trainer.args
-    if trainer.loss_type == "vespo" and args.vllm_importance_sampling_mode not in (
-            "token_truncate", "token_mask"):
-        raise ValueError("VESPO loss requires `vllm_importance_sampling_mode` to be either "
-                         "'token_truncate' or 'token_mask'")  # TRL's own check, skipped at init
-    trainer.use_vllm = True
-    trainer.vllm_mode = "server"
-    trainer.vllm_generation = rollout
-    trainer.vllm_importance_sampling_correction = True
-
-
-def _close_at_train_end(rollout: SidecarRollout) -> Any:
-    from transformers import TrainerCallback
-
-    class CloseAtTrainEnd(TrainerCallback):
-        """Releases the server connection when training ends."""
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            rollout.close()
-
-    return CloseAtTrainEnd()

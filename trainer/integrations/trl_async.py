@@ -41,7 +41,7 @@ import httpx
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 
-from rollout_sidecar.trainer.integrations.trl import push_target
+from rollout_sidecar.trainer.integrations.trl_trainer import push_target
 from rollout_sidecar.trainer.pusher import WeightPusher
 
 __all__ = ["SidecarAsyncGRPOTrainer", "SidecarRolloutLoop"]
