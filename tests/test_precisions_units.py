@@ -19,7 +19,7 @@ from rollout_sidecar.protocol.precisions import (
     precision,
     probe_tolerance,
 )
-from rollout_sidecar.server.config import ServeDtype
+from rollout_sidecar.server.engine_settings import ServeDtype
 
 
 @pytest.mark.parametrize("name", sorted(PRECISIONS))
