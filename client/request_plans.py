@@ -202,8 +202,9 @@ class Call(Generic[T]):
                 if failures and set(pool.urls()) <= frozen | refused | set(stuck):
                     raise _exhausted(*last, seen, refusal)  # nobody left to wait for
                 if pool.clock() > deadline:  # frozen all along: waited long enough
-                    error = None if failures or refusal else ReplicaFrozen("no replica answers")
-                    raise _exhausted(*(last if error is None else (error, None)), seen, refusal)
+                    if failures or refusal:
+                        raise _exhausted(*last, seen, refusal)
+                    raise _exhausted(ReplicaFrozen("no replica answers"), None, seen, refusal)
                 yield Resolve() if pool.claim_refresh(force=True) else Sleep(pool.wait_s(refused))
                 continue
             tried.add(url)

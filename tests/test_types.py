@@ -1,5 +1,7 @@
-"""The server type-checks: mypy over server/, with vLLM's surface typed
-(server/engine/vllm_surface.py) and every other seam declared.
+"""The server, the client and the shared layer type-check: mypy over
+server/, client/ and protocol/, with vLLM's surface typed
+(server/engine/vllm_surface.py) and every other seam declared. (trainer/
+is not held to it yet.)
 
 mypy reads the package as it is installed, `rollout_sidecar.server`; the
 project maps that name onto the top-level folders (pyproject's
@@ -21,7 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("server", "client", "trainer", "protocol")
 
 
-def test_the_server_type_checks(tmp_path: Path):
+CHECKED = ("server", "client", "protocol")
+
+
+def test_the_server_client_and_protocol_type_check(tmp_path: Path):
     pytest.importorskip("mypy")
     root = tmp_path / "rollout_sidecar"
     root.mkdir()
@@ -30,6 +35,7 @@ def test_the_server_type_checks(tmp_path: Path):
         (root / name).symlink_to(REPO / name)
     done = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(REPO / "pyproject.toml"),
-         "--cache-dir", str(tmp_path / "cache"), "-p", "rollout_sidecar.server"],
+         "--cache-dir", str(tmp_path / "cache"),
+         *(a for name in CHECKED for a in ("-p", f"rollout_sidecar.{name}"))],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -105,12 +105,17 @@ async def run_watched_async(call: Awaitable[T], alive: Callable[[], Awaitable[No
     frozen: asyncio.Future[None] = loop.create_future()
 
     def wake() -> None:  # from the pinger's thread
-        loop.call_soon_threadsafe(lambda: frozen.done() or frozen.set_result(None))
+        def settle() -> None:
+            if not frozen.done():
+                frozen.set_result(None)
+
+        loop.call_soon_threadsafe(settle)
 
     waiter = shared.wait(wake) if shared is not None else None
     try:
         while True:
-            done, _ = await asyncio.wait({task, frozen}, timeout=every_s,
+            either: set[asyncio.Future[Any]] = {task, frozen}
+            done, _ = await asyncio.wait(either, timeout=every_s,
                                          return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 return task.result()

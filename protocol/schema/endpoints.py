@@ -57,7 +57,7 @@ def _resolve(url: str) -> list[str]:
         infos = socket.getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise ValueError(f"cannot resolve {parts.hostname}: {e}") from e
-    addrs = sorted({info[4][0] for info in infos})
+    addrs = sorted({str(info[4][0]) for info in infos})
     return [urlunsplit(parts._replace(netloc=f"{_host(a)}:{parts.port}")) for a in addrs]
 
 
