@@ -187,7 +187,7 @@ def lost_in_probe(version: int, urls: list[str], results: list, bad: list[int]
     """The probe could not ask some replicas: every replica committed
     `version` (the probe runs after the commit), so say that it is live, and
     what happened to the ones the probe could not reach."""
-    live = {u: version for u in urls}
+    live: dict[str, int | None] = {u: version for u in urls}
     errors = "; ".join(str(results[i]) for i in bad)
     probed = [urls[i] for i in range(len(urls)) if i not in bad]
     message = (f"version {version} committed and live on every replica "
@@ -210,7 +210,7 @@ class ProbeForward:
     seconds: float = 0.0
 
 
-def commit_with_forward(commit: Callable[[], T], model: nn.Module,
+def commit_with_forward(commit: Callable[[], T | None], model: nn.Module,
                         serving: ServingState | None, forward: bool | Forward,
                         device: torch.device | None) -> tuple[T, ProbeForward]:
     """Rank 0's `commit` (HTTP round trips while the servers load) on a thread,
@@ -264,10 +264,11 @@ def probe_push(forwarded: ProbeForward, version: int, replicas: ReplicaAdmins | 
         results = replicas.each(lambda a, i: a.probe(req, serving.commit_timeout_s))
         if bad := failures(results):
             raise lost_in_probe(version, replicas.urls, results, bad)
+        probed = [r for r in results if isinstance(r, ProbeResult)]  # every one: none failed
         # A failed replica first, then the largest gap: the one worth naming.
-        worst = max(range(len(results)), key=lambda i: (not results[i].passed,
-                                                        results[i].mean_abs_dlogp))
-        return results[worst], replicas.urls[worst]
+        worst = max(range(len(probed)), key=lambda i: (not probed[i].passed,
+                                                       probed[i].mean_abs_dlogp))
+        return probed[worst], replicas.urls[worst]
 
     result, where = agree(ask)
     if not result.passed:

@@ -91,6 +91,8 @@ def open_push(source: nn.Module | NamedTensors, version: int, adapter: bool | No
     spec, adapter_reason = (None, None) if named else adapters.choose(
         source, serving.statuses, replicas.urls, adapter)
     converted = not named and (merge.active or CheckpointLayout(merge.base_model).active)
+    base: int | None
+    why: str | None
     if named:
         base, why = None, NAMED_DENSE
     elif converted:  # what travels is computed from several tensors: no shard to diff

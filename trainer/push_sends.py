@@ -161,7 +161,8 @@ class PushSends:
         # them), and, without own rows, gathers every parameter whole: no row
         # blocks, which reach rank 0 alone.
         buffers = plan.opening.buffers if plan.sends_buffers else ()
-        sender: Transport | PeerSender = self.transport if self.rank == 0 else self._peer
+        sender: Transport | PeerSender | None = self.transport if self.rank == 0 \
+            else self._peer
         assert sender is not None
         device = self.config.device
         gathers = iter(()) if begun.own_rows else with_draft(

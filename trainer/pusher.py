@@ -306,7 +306,8 @@ class WeightPusher(PushSends):
 
     def _commit(self, begun: Begun, sent: Sent, restarted: bool) -> PushResult:
         """Rank 0: abort on a send error, else prepare and commit everywhere."""
-        two_phase = self._two_phase
+        two_phase, transport = self._two_phase, self.transport
+        assert transport is not None, "rank 0 only"
         err = sent.error
         if err is not None:
             kind, message = err
@@ -318,7 +319,7 @@ class WeightPusher(PushSends):
         timeout_s = self._serving.commit_timeout_s
         checksums = [sent.checksums[b.index] for b in begun.buckets]
         tags = [sent.tags[b.index] for b in begun.buckets] \
-            if self.transport.bucket_macs is not None else None
+            if transport.bucket_macs is not None else None
         if len(begun.push_ids) == 1:  # one replica: check and commit in one call
             prepared = []
             committed, outcomes = two_phase.commit(begun.push_ids, timeout_s, checksums, tags)
@@ -327,7 +328,7 @@ class WeightPusher(PushSends):
                                          self._serving.versions, tags)
             committed, outcomes = two_phase.commit(begun.push_ids, timeout_s)
         result = PushResult.committed(begun.buckets, prepared, committed, outcomes, restarted)
-        result.route = self.transport.route
+        result.route = transport.route
         return result
 
     def close(self) -> None:

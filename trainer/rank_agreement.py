@@ -41,7 +41,7 @@ def _single() -> bool:
     return not dist.is_initialized() or dist.get_world_size() == 1
 
 
-def agree(step: Callable[[], T]) -> T:
+def agree(step: Callable[[], T | None]) -> T:
     """Run `step` (rank 0 does the work, the others return None), share its
     result or its error, and raise the same exception type on every rank.
 

@@ -60,8 +60,8 @@ class TwoPhaseCommit:
         # The servers first, so each records the trainer's reason; dropping
         # our side of the group first would fail their receives with a
         # connection error that races the abort.
-        results = self.replicas.each(lambda a, i: a.abort(push_ids[i], reason)
-                                     if push_ids[i] is not None else None)
+        results = self.replicas.each(lambda a, i: a.abort(pid, reason)
+                                     if (pid := push_ids[i]) is not None else None)
         self.transport.reset()
         return [_error(u, r) if isinstance(r, Exception) else f"{u}: aborted"
                 for u, r in zip(self.replicas.urls, results, strict=True)]

@@ -177,9 +177,9 @@ def main() -> None:
 
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        box: list = [pending.result() if pending else None]
-        dist.broadcast_object_list(box, src=0)
-        resp_d = box[0]
+        shared: list = [pending.result() if pending else None]
+        dist.broadcast_object_list(shared, src=0)
+        resp_d = shared[0]
         if pool and args.async_rollouts and step < args.steps:
             # The next step's rollouts, on whatever is served, while this one trains.
             pending = pool.submit(rollouts, step + 1, None)
@@ -228,6 +228,7 @@ def main() -> None:
         if bar:
             bar.update(rec)
     if rank == 0:
+        assert bar is not None
         bar.close()
         _write_report(args.out, records, vars(args), setup_s)
     if pool:

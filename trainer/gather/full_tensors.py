@@ -129,7 +129,7 @@ def iter_full_tensors(model: nn.Module, device: torch.device | None = None,
             if only is not None and not only(normalize_name(name)):
                 continue
             p = p.detach()
-            if row_blockable(p, block_bytes):
+            if block_bytes is not None and row_blockable(p, block_bytes):
                 blocks = RowBlocks(p, block_bytes, _mesh_device(p, device), buffer)
                 yield normalize_name(name), blocks
                 blocks.drain()

@@ -22,7 +22,7 @@ twice fails the push by name before anything is published.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +79,7 @@ class NamedLayout:
                 for n in order]
 
     def ordered(self, source: NamedTensors, plan: list[str], index: WeightIndex
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+                ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """`source`'s tensors in `plan`'s order; the stream is drawn to its end
         whatever happens (its tensors may be collectives), and its order kept
         for the next push."""

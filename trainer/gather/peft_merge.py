@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ from rollout_sidecar.trainer.gather.full_tensors import ParamInfo
 from rollout_sidecar.trainer.gather.names import normalize_name
 from rollout_sidecar.trainer.gather.row_blocks import RowBlocks
 
-Gathered = torch.Tensor | RowBlocks
+Gathered: TypeAlias = "torch.Tensor | RowBlocks"
 
 
 class PeftMergeError(WeightPushError):

@@ -112,11 +112,13 @@ class RowBlocks:
             if lo >= hi:
                 continue
             if owner == self._me == self._dst:  # rank 0's own rows: a local copy
+                assert block is not None
                 block[lo - a: hi - a].copy_(self._local[lo - first: hi - first])
             elif owner == self._me:  # ours, to rank 0 (moved to the mesh's device if offloaded)
                 part = self._local[lo - first: hi - first].to(self.device).contiguous()
                 works.append(dist.isend(part, group=self._group, group_dst=self._dst))
             elif self._me == self._dst:  # a peer's rows, straight into the block
+                assert block is not None
                 works.append(dist.irecv(block[lo - a: hi - a], group=self._group,
                                         group_src=owner))
         for w in works:
@@ -147,9 +149,12 @@ class FlatCursor:
                  numel: int | None = None) -> None:
         """`start`, `numel`: `source` is a part of a larger tensor (a rank's
         own rows, gather/own_rows.py), from element `start` of its `numel`."""
-        self._blocks = source if isinstance(source, RowBlocks) else None
-        # a whole tensor, flat: a view, or (not contiguous) one copy for all chunks
-        self._flat = None if self._blocks else source.reshape(-1)
+        self._blocks: RowBlocks | None = None
+        self._flat: torch.Tensor | None = None
+        if isinstance(source, RowBlocks):
+            self._blocks = source
+        else:  # a whole tensor, flat: a view, or (not contiguous) one copy for all chunks
+            self._flat = source.reshape(-1)
         self._start = start  # element index of self._flat[0] in the whole tensor
         self._numel = numel
 
@@ -157,7 +162,10 @@ class FlatCursor:
         """Elements of the whole tensor."""
         if self._numel is not None:
             return self._numel
-        return self._blocks.numel() if self._blocks else self._flat.numel()
+        if self._blocks is not None:
+            return self._blocks.numel()
+        assert self._flat is not None
+        return self._flat.numel()
 
     def copy_to(self, dst: torch.Tensor, first: int) -> None:
         """dst (flat) <- elements [first, first + dst.numel())."""
@@ -170,7 +178,10 @@ class FlatCursor:
                 if self._flat is not None:
                     self._start += self._flat.numel()
                 self._flat = None  # dropped before the next block arrives
-                self._flat = self._blocks.next_block().reshape(-1)
+                block = self._blocks.next_block()
+                if block is None:
+                    raise RuntimeError("row blocks are copied on the rank they are drawn to")
+                self._flat = block.reshape(-1)
                 continue
             if pos < self._start:
                 raise IndexError(f"element {pos} was already passed (cursor at {self._start})")

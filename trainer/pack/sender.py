@@ -31,7 +31,7 @@ from rollout_sidecar.trainer.errors import Error  # (kind, message): see errors.
 from rollout_sidecar.trainer.gather.own_rows import OwnRows
 from rollout_sidecar.trainer.gather.row_blocks import PACKING_RANK, FlatCursor, RowBlocks
 from rollout_sidecar.trainer.pack.finite import all_finite
-from rollout_sidecar.trainer.transport.base import Pending, Transport
+from rollout_sidecar.trainer.transport.base import Pending, Sends
 
 
 class BucketSender:
@@ -53,7 +53,7 @@ class BucketSender:
 
     def send_all(self, buckets: list[BucketManifest],
                  tensors: Iterator[tuple[str, torch.Tensor]] | OwnRows,
-                 transport: Transport, push_ids: list[str], *, sender: int | None = None,
+                 transport: Sends, push_ids: list[str], *, sender: int | None = None,
                  check: Check = "crc32") -> tuple[list[int], Error | None]:
         """Send every bucket; returns the check values and the first error.
         `push_ids` (each replica's id of the push) go to `transport.send` as
@@ -65,6 +65,7 @@ class BucketSender:
         read by name; nothing is drawn, as nothing is gathered."""
         mine = [b for b in buckets if sender is None or b.source == sender]
         own = tensors if isinstance(tensors, OwnRows) else None
+        drawn = iter(()) if isinstance(tensors, OwnRows) else tensors
         if not mine:  # an unchanged delta, or no share for this rank: nothing to send
             if not isinstance(tensors, OwnRows):
                 for _ in _drawn(buckets, tensors):
@@ -83,8 +84,9 @@ class BucketSender:
         for b in buckets:
             ours = sender is None or b.source == sender
             slot = sent % 2
-            if ours and in_flight[slot] is not None and err is None:
-                err = _wait(in_flight[slot], f"sending bucket {flying[slot]}")
+            flight = in_flight[slot]
+            if ours and flight is not None and err is None:
+                err = _wait(flight, f"sending bucket {flying[slot]}")
                 in_flight[slot] = None
             buf = buffers[slot][: b.nbytes] if ours else None
             for s in b.params:
@@ -92,7 +94,7 @@ class BucketSender:
                     if ours and err is None:
                         name, full, err = _own(own, s)
                 elif s.first:  # gathered on every rank, same order; a split tensor once
-                    name, full = next(tensors)
+                    name, full = next(drawn)
                     # Another rank's row blocks: only rank 0 gets their rows.
                     drawn_only = not ours and isinstance(full, RowBlocks)
                     if ours and isinstance(full, RowBlocks) and sender not in (None,

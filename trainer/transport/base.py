@@ -23,20 +23,36 @@ class Pending(Protocol):
     def wait(self) -> Any: ...
 
 
-class Transport(Protocol):
-    name: str  # what `/weights/begin` is told: "gloo", "nccl" or "http"
-    # How each bucket reaches every replica: "http", "broadcast", "chain" or
-    # "ring" (a chain entered at each replica in turn: ring_route.py).
-    route: str
-    buffer_device: torch.device  # where the send buffers live
+class Sends(Protocol):
+    """What `BucketSender` (pack/sender.py) sends through: rank 0's
+    `Transport`, or another rank's `PeerSender` (peer_sender.py)."""
+
+    @property
+    def buffer_device(self) -> torch.device:
+        """Where the send buffers live."""
+        ...
+
     # True: each bucket's CRC goes with its bytes, so it is computed before the
     # send; False: the CRCs go with the prepare, computed while the bucket is
     # on the wire.
     checksum_in_request: bool
-    connection_id: str | None  # the data-plane group the replicas hold, if any
     # This push's keyed bucket tags (protocol/data_plane/bucket_mac.py), set by
     # `start_push` when the connection authenticates buckets; else None.
     bucket_macs: PushMacs | None
+
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
+             ) -> Pending:
+        """Start sending bucket `index`; `push_ids`: each replica's id of the
+        push, in replica order."""
+        ...
+
+
+class Transport(Sends, Protocol):
+    name: str  # what `/weights/begin` is told: "gloo", "nccl" or "http"
+    # How each bucket reaches every replica: "http", "broadcast", "chain" or
+    # "ring" (a chain entered at each replica in turn: ring_route.py).
+    route: str
+    connection_id: str | None  # the data-plane group the replicas hold, if any
 
     @classmethod
     def from_config(cls, name: str, replicas: ReplicaAdmins, config: PushConfig
@@ -49,11 +65,6 @@ class Transport(Protocol):
 
     def start_push(self, version: int) -> None:
         """A push of `version` begins (after `ensure_connected`)."""
-
-    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
-             ) -> Pending:
-        """Start sending bucket `index`; `push_ids`: each replica's id of the
-        push, in replica order."""
 
     def reset(self) -> None:
         """Drop the connection (after a failed push the replicas drop theirs)."""

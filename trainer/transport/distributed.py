@@ -44,7 +44,7 @@ from rollout_sidecar.protocol.data_plane.signed_store import (
     delete_connection_keys,
 )
 from rollout_sidecar.protocol.schema import CHAIN_RING, REQUIRES_BUCKET_MACS
-from rollout_sidecar.protocol.transports import transport
+from rollout_sidecar.protocol.transports import Fanout, transport
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
 from rollout_sidecar.trainer.transport.peer_sender import Rendezvous
@@ -94,7 +94,7 @@ class DistributedTransport:
             raise ValueError(f"fanout must be auto, broadcast or chain, not {fanout!r}")
         transport(backend).check_fanout(fanout)
         self.fanout_setting = fanout
-        self.fanout = "broadcast"  # this connection's; decided at connect
+        self.fanout: Fanout = "broadcast"  # this connection's; decided at connect
         self.senders = 1  # this connection's trainer ranks that send
         self.ring_starts: tuple[int, ...] | None = None  # this connection's (ring_route.py)
         self.group: Any = None
@@ -159,9 +159,9 @@ class DistributedTransport:
         # one receiver rank 0 would send each bucket once per tree level, so
         # relay it down a chain (bench/push_replicas.py measures both). Several
         # senders always go point to point (peer_sender.py).
-        fanout = "chain" if senders > 1 else (
-            self.fanout_setting if self.fanout_setting != "auto" else
-            transport(self.backend).fanout(world))
+        fanout: Fanout = "chain" if senders > 1 else (
+            transport(self.backend).fanout(world) if self.fanout_setting == "auto" else
+            "chain" if self.fanout_setting == "chain" else "broadcast")
         # A ring (gloo, several replicas, fanout auto): each bucket enters at
         # a replica of its own, so no one replica's link relays all of it.
         ring = fanout == "chain" and self.fanout_setting == "auto" and len(statuses) > 1 \
@@ -230,11 +230,11 @@ class DistributedTransport:
             raise
         joining.join(r.join_s)
         if "group" not in out:
-            e = out.get("join_error")
+            why = out.get("join_error")
             self._end_rendezvous(joining, out, store_host, store_port, conn_id, secret,
-                                 e or "join did not finish")
+                                 why or "join did not finish")
             raise WeightPushError(f"data plane {store_host}:{store_port}: "
-                                  f"{e or 'join did not finish'}") from e
+                                  f"{why or 'join did not finish'}") from why
         self.group = out["group"]
 
     def _end_rendezvous(self, joining: threading.Thread, out: dict[str, Any], host: str,

@@ -46,6 +46,7 @@ class HttpUploadTransport:
              ) -> Any:
         """`push_ids`: each replica's id of this push, in replica order."""
         data = memoryview(buf.numpy()).tobytes()
+        assert checksum is not None  # checksum_in_request: computed before the send
         self.replicas.all(lambda admin, i: admin.put_bucket(push_ids[i], index, data, checksum),
                           f"bucket {index}")
         return _Done()

@@ -59,8 +59,7 @@ def push_step(pusher: WeightPusher, weights: Weights, global_steps: int | None,
     # Only the step-0 sync asks what the replicas serve (the same `version` on
     # every rank, so every rank agrees or none does); any other push reads
     # their status once, in its own opening.
-    if version == 0 and agree(lambda: min(s.weight_version for s in pusher.replicas.all(
-            lambda a, i: a.status(), "status")) if rank() == 0 else None) == 0:
+    if version == 0 and agree(lambda: _served(pusher) if rank() == 0 else None) == 0:
         for _ in weights:  # every rank's all-gathers, in step; nothing to push
             pass
         log.info("verl's step-0 sync: the servers serve their checkpoint (version 0), "
@@ -73,10 +72,17 @@ def push_step(pusher: WeightPusher, weights: Weights, global_steps: int | None,
             (res.held_bytes or 0) / 2**20, "sidecar/skipped": 0.0}
 
 
+def _served(pusher: WeightPusher) -> int:
+    """The oldest version the replicas serve (rank 0)."""
+    replicas = pusher.replicas
+    assert replicas is not None, "rank 0 only"
+    return min(s.weight_version for s in replicas.all(lambda a, i: a.status(), "status"))
+
+
 def _pusher(url: str | None, bucket_size: int | None, **options: Any) -> WeightPusher:
-    mb = max(1, (bucket_size or 0) >> 20) if bucket_size else None
-    return WeightPusher(url or os.environ.get("ROLLOUT_SIDECAR_URL"),
-                        **({"bucket_mb": mb} if mb else {}), **options)
+    if bucket_size:
+        options["bucket_mb"] = max(1, bucket_size >> 20)
+    return WeightPusher(url or os.environ.get("ROLLOUT_SIDECAR_URL"), **options)
 
 
 @CheckpointEngineRegistry.register(BACKEND)
