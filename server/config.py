@@ -71,6 +71,12 @@ class ServerSettings(EngineSettings, BaseSettings):
         "at, when some run on other hosts (nnodes > 1, Ray). Unset: master_addr with "
         "nnodes > 1, else VLLM_HOST_IP or this host's routable address (as vLLM finds it).")
 
+    max_sequences_per_request: int = Field(
+        4096, ge=1, description="Cap on prompts x n in one /generate request (400 above it), "
+        "so one request cannot queue work for minutes.")
+    max_prompt_bytes: int | None = Field(
+        None, ge=1, description="Longest prompt string in bytes, checked before tokenising; "
+        "default 32 bytes per token of max_model_len.")
     api_token: SecretStr | None = Field(
         None, description="Bearer token for /generate, /info and the OpenAI routes (/v1/*); "
         "/health, /ready and /metrics stay open. Unset: open. Set but empty, or with "

@@ -91,12 +91,6 @@ class EngineSettings(BaseModel):
         "gpu_memory_utilization leaves.")
     max_num_seqs: int = Field(256, ge=1, description="Sequences batched at once (vLLM's "
                               "default on most GPUs).")
-    max_sequences_per_request: int = Field(
-        4096, ge=1, description="Cap on prompts x n in one /generate request (400 above it), "
-        "so one request cannot queue work for minutes.")
-    max_prompt_bytes: int | None = Field(
-        None, ge=1, description="Longest prompt string in bytes, checked before tokenising; "
-        "default 32 bytes per token of max_model_len.")
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs (or CPU worker processes) one copy of the model is split "
         "over; every worker joins the weight data plane and loads its own shard of a push.")
