@@ -82,3 +82,27 @@ def test_a_gone_module_name_attribute_or_keyword_is_named_where_we_use_it(tmp_pa
         "server/a.py:3: vllm.gone.thing: gone",
         "server/a.py:9: vllm.nowhere.a: gone", "server/a.py:11: vllm.neither.a: gone",
     ]), gone  # the cli_args fallback resolves once: not gone
+
+
+def test_the_surface_is_read_member_by_member_and_the_fakes_have_what_they_stand_in_for():
+    """Every member of server/engine/vllm_surface.py's protocols is a use the
+    check reads (a rename in vLLM fails there); and the unit tests' fakes of
+    vLLM's engine have each method of the protocol their code is typed with."""
+    from rollout_sidecar.server.engine import vllm_surface
+    from tests.test_disconnect_units import _FakeLLM as PlaneLLM
+    from tests.test_gpu_readiness_units import _FakeLLM as OpsLLM
+    from tests.test_openai_units import FakeLLM as SamplingLLM
+
+    read = {(u.target, u.attr) for u in collect(REPO) if "vllm_surface" in u.where}
+    for protocol, cls in vllm_surface.STANDS_FOR.items():
+        members = {n for n in vars(protocol) if not n.startswith("_")} | set(
+            getattr(protocol, "__annotations__", {}))
+        assert {(cls, m) for m in members} <= read, protocol
+
+    def methods(protocol: type) -> set[str]:
+        return {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+
+    for fake in (OpsLLM, PlaneLLM):  # ops.py, the data plane: WorkerRpc
+        assert methods(vllm_surface.WorkerRpc) <= set(dir(fake)), fake
+    # The /v1 client (openai_api/compat.py) submits and aborts; it never calls generate.
+    assert {"add_request", "abort"} <= set(dir(SamplingLLM)) & methods(vllm_surface.Sampler)
