@@ -57,7 +57,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 GIB = 2**30
@@ -127,7 +130,7 @@ def host_memory_bytes() -> int:
     return total
 
 
-def model_bytes_per_token(vllm_config: Any) -> int:
+def model_bytes_per_token(vllm_config: VllmConfig) -> int:
     """Per-worker KV bytes per token of the model a resolved `VllmConfig` serves."""
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
@@ -137,7 +140,8 @@ def model_bytes_per_token(vllm_config: Any) -> int:
                            dtype.itemsize, mla=mc.use_mla)
 
 
-def size_for(vllm_config: Any, max_num_seqs: int, host_bytes: int | None = None) -> tuple[int, str]:
+def size_for(vllm_config: VllmConfig, max_num_seqs: int, host_bytes: int | None = None
+             ) -> tuple[int, str]:
     """The sized default for a resolved `VllmConfig`: (bytes, why)."""
     per_token = model_bytes_per_token(vllm_config)
     max_len = vllm_config.model_config.max_model_len

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rollout_sidecar.protocol.schema import GenerateRequest, GenerateResponse, SamplingConfig
 from rollout_sidecar.server.engine.engine_api import Engine
@@ -22,6 +22,9 @@ from rollout_sidecar.server.generate import request_checks
 from rollout_sidecar.server.generate.response import build_response
 
 if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
+    from vllm.sampling_params import SamplingParams
+
     from rollout_sidecar.server.engine.vllm_surface import Collector
 
 
@@ -72,7 +75,8 @@ class GenerateService:
         return build_response(req, lease.version, prompt_ids, outputs, tracks, e.gate,
                               e.metrics, e.boot_id)
 
-    async def _final(self, track: Track, ids: list[int], params: Any, request_id: str) -> Any:
+    async def _final(self, track: Track, ids: list[int], params: SamplingParams,
+                     request_id: str) -> RequestOutput:
         """The prompt's last output. A run that a commit stopped for the
         request's `max_version_lag` is dropped whole and submitted again, on
         the weights served now (engine/request_tracking.py)."""
@@ -86,8 +90,8 @@ class GenerateService:
             track.collector = await self._submit(ids, params, f"{request_id}-r{track.restarts}",
                                                  track.since)
 
-    async def _submit(self, ids: list[int], params: Any, request_id: str, version: int
-                      ) -> Collector:
+    async def _submit(self, ids: list[int], params: SamplingParams, request_id: str,
+                      version: int) -> Collector:
         from vllm.exceptions import VLLMError
         from vllm.inputs import TokensPrompt
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 
 class TokenLagHistogram:
@@ -162,11 +166,13 @@ class ServerMetrics:
         metrics = self
 
         class _SchedulerGauges(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
                 pass
 
-            def record(self, scheduler_stats: Any, iteration_stats: Any,
-                       mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            def record(self, scheduler_stats: SchedulerStats | None,
+                       iteration_stats: IterationStats | None,
+                       mm_cache_stats: MultiModalCacheStats | None = None,
+                       engine_idx: int = 0) -> None:
                 if scheduler_stats is not None:
                     metrics.running.set(scheduler_stats.num_running_reqs)
                     metrics.waiting.set(scheduler_stats.num_waiting_reqs)

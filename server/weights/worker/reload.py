@@ -40,11 +40,14 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollout_sidecar.protocol.failpoints import fire
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +276,7 @@ class _Staged:
         return report
 
 
-def _stage(model: torch.nn.Module, model_config: Any,
+def _stage(model: torch.nn.Module, model_config: ModelConfig,
            weights: Iterable[tuple[str, torch.Tensor]], what: str) -> _Staged:
     """Take `weights` into `model`'s reload buffers; raise `LoadRefused`, the
     model as it was, if a layer would be short or vLLM's loader refuses."""
@@ -305,7 +308,7 @@ class DraftLoad:
     weights: Iterable[tuple[str, torch.Tensor]]
 
 
-def load_all_or_nothing(model: torch.nn.Module, model_config: Any,
+def load_all_or_nothing(model: torch.nn.Module, model_config: ModelConfig,
                         weights: Iterable[tuple[str, torch.Tensor]],
                         draft: DraftLoad | None = None) -> ReloadReport:
     """Load `weights` (checkpoint names and layout) into the live model, and
