@@ -4,6 +4,7 @@ rollout_sidecar.server.launcher, the one launcher the demo and benches use too).
 from __future__ import annotations
 
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from rollout_sidecar.server.launcher import (
     launch_server,
     stop_process,
 )
-from tests import processes
+from tests import processes, rank_pool
 from tests.server_plan import (
     TEST_ENV,
     WORKER_PROCESS,
@@ -81,19 +82,40 @@ def start_server(tmp: Path, name: str, extra_env: dict | None = None,
 
 
 def run_torchrun(worker: Path, args: list[str], srv: Server, nproc: int = 2) -> None:
-    """`worker` under torchrun (gloo ranks on this machine), with `srv`'s
-    tokens in the environment and the repo importable; fails the test with
-    the ranks' output if any rank fails."""
-    proc = processes.run(
-        processes.torchrun(worker, args, nproc),
+    """`worker` on torchrun's gloo ranks (a job of the session's rank pool:
+    tests/rank_pool.py), with `srv`'s tokens in the environment and the repo
+    importable; fails the test with the ranks' output if any rank fails."""
+    proc = rank_pool.run(
+        worker, args, nproc=nproc,
         env=processes.repo_env(ROLLOUT_SIDECAR_ADMIN_TOKEN=srv.admin_token,
                                ROLLOUT_SIDECAR_API_TOKEN=srv.api_token),
         timeout_s=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
-def stop_server(server: Server) -> None:
-    stop_process(server.proc)
+# Servers let go by `stop_server(wait=False)`, stopping beside the tests.
+# Why: a server's stop is 5 s (vLLM's engine core spends them in the
+# interpreter's last collection before its parent kills it), which no test
+# waits for unless it starts a server on the stopped one's ports.
+STOPPING: list[threading.Thread] = []
+
+
+def stop_server(server: Server, wait: bool = True) -> None:
+    """Stop `server` (SIGTERM, then the deadlines of `stop_process`); with
+    `wait=False` in the background, the session waiting for it at its end and
+    before a `quiet` test."""
+    if wait:
+        stop_process(server.proc)
+        return
+    stopping = threading.Thread(target=stop_process, args=(server.proc,), daemon=True,
+                                name=f"stop {server.url}")
+    stopping.start()
+    STOPPING.append(stopping)
+
+
+def wait_for_stops() -> None:
+    while STOPPING:
+        STOPPING.pop().join(120)
 
 
 def server_fixture(spec: ServerSpec, scope: str = "module") -> Any:
@@ -104,7 +126,7 @@ def server_fixture(spec: ServerSpec, scope: str = "module") -> Any:
     def fixture(server_plan):
         s = server_plan.take(spec)
         yield s
-        stop_server(s)
+        stop_server(s, wait=False)
     return fixture
 
 
@@ -157,12 +179,14 @@ def pytest_runtest_setup(item):
 
         PLAN.settle()
         BUILD.settle()
+        wait_for_stops()
 
 
 def pytest_sessionfinish(session):
     from tests.compose.image_build import BUILD
 
     BUILD.stop()
+    rank_pool.close()
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -175,6 +199,7 @@ def server_plan(tmp_path_factory):
     PLAN.prefetch()
     PLAN.start_monitor()
     yield PLAN
+    wait_for_stops()
     PLAN.close()
 
 
@@ -192,7 +217,7 @@ def fp32_server(server_plan):
     one per module. Each reads the version it starts from."""
     s = server_plan.take(FP32)
     yield s
-    stop_server(s)
+    stop_server(s, wait=False)
 
 
 # Folders whose tests start a real engine, torchrun ranks or Docker: marked

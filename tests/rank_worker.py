@@ -12,7 +12,10 @@ aborts must fail the test, as it fails a user's job (tests/e2e/test_clean_exit.p
     def body(args, rank): ...; return report      # rank 0's report is written
     if __name__ == "__main__": rank_worker.main(body, arguments)
 
-The pytest side reads the report and asserts. Two kinds of worker keep their
+The pytest side reads the report and asserts. Most tests run a worker as a job
+of the session's ranks (tests/rank_pool.py runs `arguments` and `body` as
+`main` does), so a body leaves the process as it found it: what it patches it
+restores (an ExitStack, as tests/e2e/push_worker.py does). Two kinds of worker keep their
 own `main` on purpose: tests/e2e/exit_worker.py is a user's script, written as
 one would be, and the TRL workers (tests/integrations/) run under TRL and
 accelerate, which form the process group themselves.

@@ -271,7 +271,9 @@ class ServerPlan:
             with self.lock:
                 pending = [(s, p) for s, p in self.launched.items() if s not in self.ready]
             for spec, proc in pending:
-                if proc.is_ready():
+                # One that exited is done starting too (its test expects the
+                # failure, or fails on it): it holds no core.
+                if proc.is_ready() or proc.proc.poll() is not None:
                     with self.lock:
                         if spec in self.launched:
                             self.ready.add(spec)

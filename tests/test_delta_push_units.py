@@ -12,17 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
+from tests import processes, rank_pool
 
 WORKER = Path(__file__).with_name("delta_worker.py")
 
 
 def run(tmp_path: Path, wrap: str, *flags: str) -> dict:
     out = tmp_path / "report.json"
-    proc = processes.run(
-        processes.torchrun(WORKER, ["--out", str(out), "--wrap", wrap, *flags]),
-        env=processes.repo_env(),
-        timeout_s=300)
+    proc = rank_pool.run(WORKER, ["--out", str(out), "--wrap", wrap, *flags],
+                         env=processes.repo_env(), timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -17,7 +17,7 @@ from rollout_sidecar.server.weights.manifest_check import check_manifest
 from rollout_sidecar.trainer.gather.own_rows import Piece
 from rollout_sidecar.trainer.pack.buckets import manifest
 from rollout_sidecar.trainer.pack.rank_buckets import plan_rank_buckets
-from tests import processes
+from tests import processes, rank_pool
 
 WORKER = Path(__file__).with_name("own_rows_worker.py")
 
@@ -54,8 +54,8 @@ def test_each_rank_buckets_hold_its_rows_once_and_the_manifest_alternates(world,
 
 def run(tmp_path: Path, *flags: str) -> dict:
     out = tmp_path / "report.json"
-    proc = processes.run(processes.torchrun(WORKER, ["--out", out, *flags], nproc=3),
-                         env=processes.repo_env(), timeout_s=300)
+    proc = rank_pool.run(WORKER, ["--out", out, *flags], nproc=3, env=processes.repo_env(),
+                         timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

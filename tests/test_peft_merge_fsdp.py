@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
+from tests import processes, rank_pool
 
 WORKER = Path(__file__).with_name("peft_merge_worker.py")
 
@@ -18,10 +18,7 @@ WORKER = Path(__file__).with_name("peft_merge_worker.py")
 @pytest.mark.e2e  # torchrun ranks: not in --fast
 def test_fsdp2_and_fsdp1_peft_models_push_peft_merge(tmp_path):
     out = tmp_path / "report.json"
-    proc = processes.run(
-        processes.torchrun(WORKER, ["--out", str(out)]),
-        env=processes.repo_env(),
-        timeout_s=300)
+    proc = rank_pool.run(WORKER, ["--out", str(out)], env=processes.repo_env(), timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert set(report) == {"fsdp2", "fsdp1", "fsdp1_peft_policy"}

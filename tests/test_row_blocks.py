@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
+from tests import processes, rank_pool
 
 WORKER = Path(__file__).with_name("row_blocks_worker.py")
 BUCKET = 1024
@@ -18,11 +18,8 @@ BUCKET = 1024
 
 def run(tmp_path: Path, *flags: str) -> dict:
     out = tmp_path / "report.json"
-    # The agent binds its own rendezvous port; a deadline that dumps stacks.
-    proc = processes.run(
-        processes.torchrun(WORKER, ["--out", out, *flags], nproc=3),
-        env=processes.repo_env(),
-        timeout_s=300)
+    proc = rank_pool.run(WORKER, ["--out", out, *flags], nproc=3, env=processes.repo_env(),
+                         timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -66,6 +66,13 @@ def arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def body(args: argparse.Namespace, rank: int) -> dict:
+    # What a mode patches in the trainer is undone when the body ends: the
+    # ranks may run the next test's job (tests/rank_pool.py).
+    with contextlib.ExitStack() as patches:
+        return push(args, rank, patches)
+
+
+def push(args: argparse.Namespace, rank: int, patches: contextlib.ExitStack) -> dict:
     from rollout_sidecar.client import GenerationClient
     from rollout_sidecar.trainer import MetaDeviceError, WeightPusher, WeightPushError
 
@@ -82,7 +89,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     client = clients[0] if clients else None
     report: dict = {"mode": args.mode}
     if args.mode == "split":
-        _record_splits(report)
+        patches.enter_context(manifest_seen(functools.partial(_record_splits, report)))
     prompt = list(b"the quick brown fox")
 
     if args.mode == "meta":
@@ -102,7 +109,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
         loss.backward()
         opt.step()
         if args.mode == "bad_shape":
-            _break_manifest(pusher)
+            patches.enter_context(manifest_seen(_wrong_shape))
         # The faults mid-push, at the trainer's failpoint (protocol/failpoints.py).
         send_fault = {"bad_checksum": _flip_on_the_wire, "kill": _die_at_bucket_2,
                       "rank1_fails": _rank_1_fails,
@@ -172,35 +179,30 @@ def samples_alone(client, prompt: list[int], n: int = 4):
     return out
 
 
-def _break_manifest(pusher) -> None:
-    """Wrong shape for one tensor: the server must reject it at begin."""
-    from rollout_sidecar.trainer.pack import buckets as b
-
-    orig = b.manifest
-
-    def bad(buckets):
-        m = orig(buckets)
-        m[0]["params"][0]["shape"][0] += 1
-        return m
-
-    import rollout_sidecar.trainer.pusher as p
-
-    p.manifest = bad
-
-
-def _record_splits(report: dict) -> None:
-    """Note which tensors the pushed manifest split into chunks."""
+@contextlib.contextmanager
+def manifest_seen(change):
+    """The pusher's manifest passed through `change` while the block runs."""
     import rollout_sidecar.trainer.pusher as p
 
     orig = p.manifest
+    p.manifest = lambda buckets: change(orig(buckets))
+    try:
+        yield
+    finally:
+        p.manifest = orig
 
-    def recorded(buckets):
-        m = orig(buckets)
-        report["split"] = sorted({e["name"] for b in m for e in b["params"] if "chunk_offset" in e})
-        report["max_bucket_bytes"] = max(b["nbytes"] for b in m)
-        return m
 
-    p.manifest = recorded
+def _wrong_shape(m: list) -> list:
+    """Wrong shape for one tensor: the server must reject it at begin."""
+    m[0]["params"][0]["shape"][0] += 1
+    return m
+
+
+def _record_splits(report: dict, m: list) -> list:
+    """Note which tensors the pushed manifest split into chunks."""
+    report["split"] = sorted({e["name"] for b in m for e in b["params"] if "chunk_offset" in e})
+    report["max_bucket_bytes"] = max(b["nbytes"] for b in m)
+    return m
 
 
 def _flip_on_the_wire(index, buf, killed, rank=None):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import threading
 import time
 
@@ -27,11 +28,17 @@ import torch
 
 from bench.rogue_peer import RogueStub
 from rollout_sidecar.server.launcher import launch_server
-from tests.conftest import start_server, stop_server
+from tests.conftest import ServerSpec, serves, start_server, stop_server
 from tests.polling import until
 from tests.server_plan import TEST_ENV, cache_dir
 
 pytestmark = pytest.mark.slow
+# The first two replicas come from the plan (started beside the tests before
+# this one), with one fleet's tokens; the late ones start in the test.
+FLEET = {"ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
+         "ROLLOUT_SIDECAR_ADMIN_TOKEN": secrets.token_hex(8)}
+PEER_A = ServerSpec.of("peer-a", dtype="float32", env=FLEET)
+PEER_B = ServerSpec.of("peer-b", dtype="float32", env=FLEET)
 
 TOKENS = [1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 77, 200]
 EXACT = 1e-4  # fp32 serving against a transformers fp32 forward (measured ~1e-7)
@@ -64,17 +71,20 @@ def step(model, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
 
 
-def test_a_late_replica_serves_the_fleets_version_before_it_is_ready(tmp_path):
+@pytest.fixture
+@serves(PEER_A, PEER_B)
+def peers(server_plan):
+    return server_plan.take(PEER_A), server_plan.take(PEER_B)
+
+
+def test_a_late_replica_serves_the_fleets_version_before_it_is_ready(peers, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rollout_sidecar.trainer import WeightPusher
 
-    servers = []
+    a, b = peers
+    servers = [a, b]
     try:
-        a = start_server(tmp_path, "peer-a", dtype="float32")
-        servers.append(a)
-        b = start_server(tmp_path, "peer-b", dtype="float32", tokens_of=a)
-        servers.append(b)
         # Nothing staged yet: nothing to read, and the reason says so.
         r = httpx.get(a.url + "/weights/staged",
                       headers={"Authorization": f"Bearer {a.admin_token}"}, timeout=30)
@@ -126,7 +136,7 @@ def test_a_late_replica_serves_the_fleets_version_before_it_is_ready(tmp_path):
         push_during_a_catch_up(tmp_path, servers, model)
     finally:
         for s in servers:
-            stop_server(s)
+            stop_server(s, wait=False)
 
 
 def push_during_a_catch_up(tmp_path, servers, model) -> None:

@@ -30,8 +30,8 @@ DELTA_A, DELTA_B = ServerSpec("delta-a"), ServerSpec("delta-b")
 def pair(server_plan):
     a, b = server_plan.take(DELTA_A), server_plan.take(DELTA_B)
     yield a, b
-    stop_server(a)
-    stop_server(b)
+    stop_server(a, wait=False)
+    stop_server(b, wait=False)
 
 
 def test_delta_and_dense_replicas_serve_bit_identical_answers(pair, tmp_path):

@@ -17,19 +17,39 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests import processes
+from tests.conftest import Server, ServerSpec, serves, stop_server
 
 pytestmark = pytest.mark.slow
 STEPS = 12
 FROZEN_STEPS = 6  # enough to see the reward stay flat; the frozen run proves no climb
+# The README's command starts its own server: the pushed run does. The frozen
+# and the async runs take theirs from the plan (`demo --server-url`; the
+# default model as `demo` serves it), started beside the tests before this one.
+FROZEN = ServerSpec("demo-frozen", max_model_len=None)
+ASYNC = ServerSpec("demo-async", max_model_len=None)
 
 
-def run_demo(tmp_path, push: bool, steps: int, asynchronous: bool = False) -> dict:
+@pytest.fixture
+@serves(FROZEN, ASYNC)
+def planned(server_plan):
+    servers = {"frozen": server_plan.take(FROZEN), "async": server_plan.take(ASYNC)}
+    yield servers
+    for s in servers.values():
+        stop_server(s, wait=False)
+
+
+def run_demo(tmp_path, push: bool, steps: int, asynchronous: bool = False,
+             server: Server | None = None) -> dict:
     out = tmp_path / ("async" if asynchronous else "push" if push else "nopush")
     cmd = [sys.executable, "-m", "rollout_sidecar.server.cli", "demo", "--steps", str(steps),
            "--out-dir", str(out), "--seed", "0", "--push" if push else "--no-push",
-           *(["--async"] if asynchronous else [])]
+           *(["--async"] if asynchronous else []),
+           *(["--server-url", server.url] if server else [])]
     env = dict(os.environ, ROLLOUT_SIDECAR_CACHE_DIR=os.environ.get(
         "ROLLOUT_SIDECAR_TEST_CACHE", str(tmp_path / "cache")))
+    if server is not None:
+        env.update(ROLLOUT_SIDECAR_API_TOKEN=server.api_token,
+                   ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token)
     proc = processes.run(cmd, env=env, timeout_s=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "report.png").stat().st_size > 0
@@ -41,19 +61,20 @@ def late_minus_early(report: dict) -> float:
     return sum(rewards[-3:]) / 3 - sum(rewards[:2]) / 2
 
 
-def test_reward_climbs_only_when_weights_are_pushed(tmp_path):
-    # The runs are independent (each starts its own server on free ports): two
-    # side by side, each one's start-up overlapping the other's single-core
-    # parts, then the third. Not all three at once: each is a server, its
-    # engine and two trainer ranks (about 4 GiB), beside the servers the plan
-    # holds ready, and three at once ran the 24 GiB machine out of memory
-    # (0.35 GiB available at their engines' load; one engine's warm-up stalled
-    # for minutes and vLLM declared it dead).
+def test_reward_climbs_only_when_weights_are_pushed(planned, tmp_path):
+    # The runs are independent: two side by side, the pushed one's server
+    # start overlapping the frozen one's training, then the third. Not all
+    # three at once: each is a server, its engine and two trainer ranks (about
+    # 4 GiB), beside the servers the plan holds ready, and three at once ran
+    # the 24 GiB machine out of memory (0.35 GiB available at their engines'
+    # load; one engine's warm-up stalled for minutes and vLLM declared it dead).
     with ThreadPoolExecutor(1) as pool:
-        frozen_run = pool.submit(run_demo, tmp_path, push=False, steps=FROZEN_STEPS)
+        frozen_run = pool.submit(run_demo, tmp_path, push=False, steps=FROZEN_STEPS,
+                                 server=planned["frozen"])
         pushed = run_demo(tmp_path, push=True, steps=STEPS)
         frozen = frozen_run.result()
-    overlapped = run_demo(tmp_path, push=True, steps=STEPS, asynchronous=True)
+    overlapped = run_demo(tmp_path, push=True, steps=STEPS, asynchronous=True,
+                          server=planned["async"])
     assert [s["weight_version"] for s in pushed["steps"]] == list(range(1, STEPS + 1))
     # Every step's rollouts came from the weights pushed by the step before.
     assert [s["served_version"] for s in pushed["steps"]] == list(range(0, STEPS))

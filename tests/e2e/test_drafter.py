@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
+from tests import processes, rank_pool
 from tests.conftest import ServerSpec, serves, stop_server
 from tests.e2e.drafter_worker import DROPPED
 from tests.e2e.test_tensor_parallel import tp2_env
@@ -61,7 +61,7 @@ def drafter_spec(tp: int) -> ServerSpec:
 def drafter_server(request, server_plan):
     s = server_plan.take(drafter_spec(request.param))
     yield s
-    stop_server(s)
+    stop_server(s, wait=False)
 
 
 def test_drafter_is_pushed_in_the_same_commit(drafter_server, tmp_path):
@@ -69,9 +69,9 @@ def test_drafter_is_pushed_in_the_same_commit(drafter_server, tmp_path):
     info = s.client().info()
     assert info.drafter is not None and info.drafter.pushable, info
     out = tmp_path / "report.json"
-    proc = processes.run(
-        processes.torchrun(WORKER, ["--url", s.url, "--model", str(s.model_path),
-                                    "--failpoints", str(s.failpoints), "--out", str(out)]),
+    proc = rank_pool.run(
+        WORKER, ["--url", s.url, "--model", str(s.model_path),
+                 "--failpoints", str(s.failpoints), "--out", str(out)],
         env=processes.repo_env(ROLLOUT_SIDECAR_ADMIN_TOKEN=s.admin_token,
                                ROLLOUT_SIDECAR_API_TOKEN=s.api_token),
         timeout_s=600)

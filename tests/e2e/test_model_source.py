@@ -54,7 +54,7 @@ HUB = ServerSpec("hub", model=HUB_ID, max_model_len=None,
 def hub_server(server_plan):
     s = server_plan.take(HUB)
     yield s
-    stop_server(s)
+    stop_server(s, wait=False)
 
 
 def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import processes
+from tests import processes, rank_pool
 
 WORKER = Path(__file__).with_name("push_worker.py")
 pytestmark = pytest.mark.slow
@@ -30,15 +30,16 @@ def run_worker(server, mode: str, v: int, tmp_path: Path, check: bool = True,
                ) -> tuple[subprocess.CompletedProcess, dict | None]:
     """`url`: the replicas to push to (default: `server`, whose tokens are used)."""
     out = tmp_path / f"{mode}.json"
-    proc = processes.run(
-        processes.torchrun(WORKER, ["--mode", mode, "--url", url or server.url,
-                                    "--model", str(server.model_path), "--out", str(out),
-                                    "--version", str(v)]),
-        # The worker shares the FSDP wrapping of tests/fidelity: the repo root on the path,
-        # ahead of the caller's (which may point rollout_sidecar at this checkout).
-        env=processes.repo_env(ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token,
-                               ROLLOUT_SIDECAR_API_TOKEN=server.api_token, **(env or {})),
-        timeout_s=600)
+    args = ["--mode", mode, "--url", url or server.url, "--model", str(server.model_path),
+            "--out", str(out), "--version", str(v)]
+    # The worker shares the FSDP wrapping of tests/fidelity: the repo root on the path,
+    # ahead of the caller's (which may point rollout_sidecar at this checkout).
+    env = processes.repo_env(ROLLOUT_SIDECAR_ADMIN_TOKEN=server.admin_token,
+                             ROLLOUT_SIDECAR_API_TOKEN=server.api_token, **(env or {}))
+    if mode == "kill":  # a rank dies: ranks of its own, not the session's pool
+        proc = processes.run(processes.torchrun(WORKER, args), env=env, timeout_s=600)
+    else:
+        proc = rank_pool.run(WORKER, args, env=env, timeout_s=600)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"torchrun {mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -72,7 +72,7 @@ def pair(server_plan):
     p = Pair(server_plan)
     yield p
     for s in p.servers:
-        stop_server(s)
+        stop_server(s, wait=False)
 
 
 def generated_tokens(server) -> float:

@@ -30,7 +30,6 @@ import torch
 
 from tests.conftest import ServerSpec, serves, stop_server
 from tests.e2e.test_push import run_worker
-from tests.server_plan import TEST_ENV
 
 pytestmark = pytest.mark.slow
 PUSHES = 20  # in test_staging_memory_stays_flat_over_20_delta_pushes
@@ -87,8 +86,7 @@ def tp2(server_plan, request):
     # The rank that checks CRCs: the leader alone when shared, else rank 1 as well.
     s.checking_rank = 0 if s.shared else 1
     yield s
-    stop_server(s)
-    # The shared staging goes with the server.
+    stop_server(s)  # waited for: the shared staging goes with the server
     assert not staging.exists(), staging
 
 
@@ -284,22 +282,33 @@ def test_staging_memory_stays_flat_over_20_delta_pushes(tp2, pusher, model):
           f"{' / '.join(f'{x:.0f}' for x in rss)}")
 
 
-def test_a_tp2_server_that_must_share_refuses_to_start_where_shm_cannot_hold_the_copy(tmp_path):
+# Started by the plan beside the tests before it (a TP=2 start that fails is as
+# long as one that succeeds), taken by the test below.
+REFUSED = ServerSpec.of("tp2-refused", dtype="float32", env=tp2_env(share="true"),
+                        shm_size=SMALL_SHM)
+CAN_REFUSE = len(os.sched_getaffinity(0)) >= 2 and private_shm_works()
+
+
+@pytest.fixture
+@serves(*([REFUSED] if CAN_REFUSE else []))  # the plan starts nothing this machine skips
+def refused(server_plan):
+    from rollout_sidecar.server.launcher import ServerStartError
+
+    if not CAN_REFUSE:
+        pytest.skip("needs two cores, root and unshare")
+    with pytest.raises(ServerStartError) as e:
+        server_plan.take(REFUSED)
+    return e.value, server_plan.folder(REFUSED) / f"{REFUSED.name}.log"
+
+
+def test_a_tp2_server_that_must_share_refuses_to_start_where_shm_cannot_hold_the_copy(refused):
     """share_host_staging=true under a /dev/shm with room for vLLM's queues
     but not a staged copy: the server refuses at start, naming the size and
     the settings, before any trainer runs a step."""
-    from rollout_sidecar.server.launcher import ServerStartError, launch_server
-
-    if len(os.sched_getaffinity(0)) < 2 or not private_shm_works():
-        pytest.skip("needs two cores, root and unshare")
-    with pytest.raises(ServerStartError) as e:
-        launch_server(log=tmp_path / "refused.log", dtype="float32", max_model_len=512,
-                      env={**TEST_ENV, **tp2_env(share="true"),
-                           "ROLLOUT_SIDECAR_CACHE_DIR": str(tmp_path / "cache")},
-                      shm_size=SMALL_SHM, ready_timeout_s=300)
+    error, log = refused
     # Not a timeout: it ended by itself, with uvicorn's code for a failed startup.
-    assert "server exited 3 " in str(e.value), e.value
-    said = (tmp_path / "refused.log").read_text(errors="replace")
+    assert "server exited 3 " in str(error), error
+    said = log.read_text(errors="replace")
     for part in ("/dev/shm on ", "share_host_staging=true requires one shared staged copy",
                  "give /dev/shm at least", "SHM_SIZE", "shm.sizeLimit"):
         assert part in said, (part, said)

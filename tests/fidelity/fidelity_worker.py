@@ -11,6 +11,10 @@ JSON report; the pytest side asserts on it.
 bf16: first push the checkpoint's own weights unchanged (a bf16 server must
 then serve bit-identical logprobs), then step and push as usual.
 
+--scenario quant: the identity push, a step, then a second step pushed with
+one layer's re-quantization skipped (`--skip-layer`, armed in `--failpoints`),
+then the same weights pushed again, whole.
+
 --scenario delta: as push, then each wrapper pushes once more after a sparse update
 (2% of every shard's elements moved): that push goes as a delta (a run named
 `<wrapper>+delta`, with its `encoding`), and is held to the same fp32 oracle.
@@ -179,7 +183,11 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     serve_dtype = getattr(torch, info["dtype"])
     g = torch.Generator().manual_seed(5)
     scored = torch.randint(0, info["vocab_size"], (SCORED_SEQS, SCORED_LEN), generator=g).tolist()
-    pusher = WeightPusher(args.url, bucket_mb=1, own_rows=True)  # FSDP2: no gather
+    # FSDP2: no gather. A quantized server's pushes go whole: the same weights
+    # pushed again after the negative control must be reloaded, not diffed
+    # against a staged copy the control left unloaded.
+    pusher = WeightPusher(args.url, bucket_mb=1, own_rows=True,
+                          delta=False if args.scenario == "quant" else "auto")
     report: dict = {"runs": []}
 
     version = info["weight_version"]
@@ -205,18 +213,20 @@ def body(args: argparse.Namespace, rank: int) -> dict:
         oracle = full_state_dict(model, wrapper)
         run: dict = {"wrapper": wrapper, "version_pushed": version, "identity": identity}
         rounds = {"delta": [wrapper, wrapper + "+delta"],
-                  # Pushes to a quantized server, each after a step; the last with one
-                  # layer's re-quantization skipped (the negative control).
-                  "quant": [wrapper, wrapper + "+step2", wrapper + "+skipped"]
+                  # Pushes to a quantized server: a second step pushed with one layer's
+                  # re-quantization skipped (the negative control), then the same
+                  # weights pushed again, whole: one fresh server is the oracle of both.
+                  "quant": [wrapper, wrapper + "+skipped", wrapper + "+again"]
                   }.get(args.scenario, [wrapper])
         for name in rounds:
             armed = name.endswith("+skipped")
             if armed and rank == 0:
                 Path(args.failpoints).write_text(f"quant.skip:{args.skip_layer}")
             if name != wrapper and args.scenario == "quant":
-                step(model, info["vocab_size"])
+                if not name.endswith("+again"):
+                    step(model, info["vocab_size"])
+                    oracle = full_state_dict(model, wrapper)
                 version += 1
-                oracle = full_state_dict(model, wrapper)
                 run = {"wrapper": name, "version_pushed": version, "identity": None}
             elif name != wrapper:
                 sparse_update(model, rank)

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import processes
+from tests import processes, rank_pool
 from tests.conftest import Server, ServerSpec, serves, start_server, stop_server
 from tests.fidelity.zoo import FAMILIES
 
@@ -65,7 +65,7 @@ def family_spec(family: str, dtype: str) -> ServerSpec:
 def _serve(plan, family: str, dtype: str):
     server = plan.take(family_spec(family, dtype))
     yield FamilyServer(family, server, server.failpoints)
-    stop_server(server)
+    stop_server(server, wait=False)
 
 
 @pytest.fixture(scope="module", params=FP32_FAMILIES)
@@ -85,11 +85,9 @@ def run_worker(fs: FamilyServer, tmp_path: Path, wrappers: str = "fsdp2",
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "report.json"
     s = fs.server
-    proc = processes.run(
-        processes.torchrun(WORKER, ["--url", s.url, "--model", str(s.model_path), "--wrappers",
-                                    wrappers, "--scenario", scenario, "--out", str(out),
-                                    *(extra or [])]),
-        # The worker imports tests/fsdp_wrap.py: the repository on the path.
+    proc = rank_pool.run(
+        WORKER, ["--url", s.url, "--model", str(s.model_path), "--wrappers", wrappers,
+                 "--scenario", scenario, "--out", str(out), *(extra or [])],
         env=processes.repo_env(ROLLOUT_SIDECAR_ADMIN_TOKEN=s.admin_token,
                                ROLLOUT_SIDECAR_API_TOKEN=s.api_token),
         timeout_s=600)
@@ -163,7 +161,7 @@ def test_bf16_push_is_exact_and_stays_at_the_engine_floor(bf16_family, tmp_path)
         assert [lp for res in s.results for lp in res.prompt_logprobs[1:]] == \
             r["served_scored"], "the pushed server differs from a fresh one of its weights"
     finally:
-        stop_server(fresh)
+        stop_server(fresh, wait=False)
 
 
 @pytest.mark.parametrize("bf16_family", ["llama-tied-gqa"], indirect=True)

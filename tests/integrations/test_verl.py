@@ -50,7 +50,7 @@ srv = server_fixture(spec(FAMILIES[0]))
 def moe_srv(request, server_plan):
     s = server_plan.take(spec(request.param))
     yield s
-    stop_server(s)
+    stop_server(s, wait=False)
 
 
 def env(s) -> dict[str, str]:

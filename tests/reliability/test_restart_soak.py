@@ -137,7 +137,7 @@ def test_a_replica_killed_and_restarted_under_load(reliable, replica_b, oracle):
             t.join(180)
         pusher.close()
         b.ready.wait(300)
-        stop_server(b.server)
+        stop_server(b.server, wait=False)
     verdicts = classify(samples, oracle, range(0, version), keep=False)
     failed = [p for p in pushes if not p["ok"]]
     row = dict(pushes=len(pushes), committed=committed, failed_pushes=len(failed),
