@@ -78,17 +78,18 @@ class RankPool:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(POLL_S)
-        outcomes = [d.read_text() if d.exists() else None for d in done]
-        output = self._output(n)
-        if all(o == "0" for o in outcomes):
+        if all(d.exists() and d.read_text() == "0" for d in done):
+            output = self._output(n)
             return subprocess.CompletedProcess(cmd, 0, output, output)
         if self.proc.poll() is None and time.monotonic() > deadline:
             tree = processes.describe_tree(self.proc)
-            self._end()
-            raise processes.DeadlineExceeded(cmd, timeout_s, output=self._output(n),
-                                             stderr=f"{tree}\n{self._output(n)}")
+            self._end()  # the ranks' stacks go to their job logs (faulthandler)
+            output = self._output(n)
+            raise processes.DeadlineExceeded(cmd, timeout_s, output=output,
+                                             stderr=f"{tree}\n{output}")
         self._end()  # a rank failed: the others may wait in a collective forever
-        return subprocess.CompletedProcess(cmd, 1, self._output(n), self._output(n))
+        output = self._output(n)
+        return subprocess.CompletedProcess(cmd, 1, output, output)
 
     def close(self) -> None:
         """Ask the ranks to leave (their group ends as `rank_worker.main`'s
@@ -214,22 +215,13 @@ def output_to(log: Path) -> Iterator[None]:
         os.close(saved[1])
 
 
-def run_job(job: dict, rank: int, folder: Path, n: int) -> None:
+def run_job(job: dict, rank: int) -> None:
     """One job, as `rank_worker.main` runs a worker launched for it."""
-    import torch
-    import torch.distributed as dist
+    from tests import rank_worker
 
     worker = importlib.import_module(job["module"])
-    ap = argparse.ArgumentParser(prog=job["module"])
-    ap.add_argument("--out", required=True, help="where rank 0 writes its JSON report")
-    if getattr(worker, "arguments", None) is not None:
-        worker.arguments(ap)
-    args = ap.parse_args(job["argv"])
-    torch.manual_seed(0)
-    report = worker.body(args, rank)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    dist.barrier()
+    args = rank_worker.parse(getattr(worker, "arguments", None), job["argv"])
+    rank_worker.run(worker.body, args, rank)
 
 
 def serve(folder: Path, owner: int) -> None:
@@ -251,7 +243,7 @@ def serve(folder: Path, owner: int) -> None:
         outcome = "0"
         with output_to(folder / f"job-{n}.rank{rank}.log"), job_environment(job):
             try:
-                run_job(job, rank, folder, n)
+                run_job(job, rank)
             except BaseException:  # noqa: BLE001 - reported, then this rank leaves
                 outcome = traceback.format_exc()
                 print(outcome, file=sys.stderr, flush=True)

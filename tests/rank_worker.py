@@ -39,19 +39,30 @@ def main(body: Body, arguments: Callable[[argparse.ArgumentParser], None] | None
          *, seed: int = 0) -> None:
     """Run `body(args, rank)` on every rank of a gloo group; rank 0 writes its
     return value to `--out` as JSON."""
+    args = parse(arguments)
+    dist.init_process_group("gloo")
+    run(body, args, dist.get_rank(), seed=seed)
+    dist.destroy_process_group()
+
+
+def parse(arguments: Callable[[argparse.ArgumentParser], None] | None,
+          argv: list[str] | None = None) -> argparse.Namespace:
+    """`--out` and the worker's own arguments, from `argv` (default: sys.argv)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="where rank 0 writes its JSON report")
     if arguments is not None:
         arguments(ap)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    return ap.parse_args(argv)
+
+
+def run(body: Body, args: argparse.Namespace, rank: int, *, seed: int = 0) -> None:
+    """`body` on this rank of the formed group; rank 0 writes the report, and
+    a barrier keeps every rank until all are done with the group."""
     torch.manual_seed(seed)
     report = body(args, rank)
     if rank == 0:
         Path(args.out).write_text(json.dumps(report, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def server_info(url: str) -> tuple[Any, dict]:
