@@ -3,6 +3,7 @@ rollout_sidecar.server.launcher, the one launcher the demo and benches use too).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -135,6 +136,15 @@ def server_fixture(spec: ServerSpec, scope: str = "module") -> Any:
 PLAN = ServerPlan([])
 # The product's own layout (a worker process; server_plan.WORKER_PROCESS).
 DEFAULT = ServerSpec.of("server", env=WORKER_PROCESS)
+
+
+def pytest_sessionstart(session):
+    # One cache of the default model for the session's servers, demos and
+    # doctors: the first start writes it (in a child process of its own,
+    # server/model/default_model.py), every later one reads it.
+    if "ROLLOUT_SIDECAR_TEST_CACHE" not in os.environ:
+        basetemp = session.config._tmp_path_factory.getbasetemp()
+        os.environ["ROLLOUT_SIDECAR_TEST_CACHE"] = str(basetemp / "default-model-cache")
 
 
 def pytest_collection_finish(session):

@@ -119,3 +119,39 @@ def test_headless_runs_only_on_hosts_1_and_on():
     for nnodes, rank in ((1, 0), (2, 0), (2, 2)):
         with pytest.raises(HeadlessRefused):
             check(ServerSettings(nnodes=nnodes, node_rank=rank, headless=True))
+
+
+def _fork_from_an_engine_host(out: multiprocessing.Queue) -> None:
+    # As the API process runs it: the host's pid set, then vLLM loads the
+    # plugins (EngineArgs.create_engine_config) and forks the engine core.
+    os.environ["ROLLOUT_SIDECAR_ENGINE_HOST_PID"] = str(os.getpid())
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from rollout_sidecar.server.weights.ops import WORKER_METHOD
+
+    load_general_plugins()
+    here = hasattr(Worker, WORKER_METHOD)
+    child_out = multiprocessing.get_context("fork").Queue()
+
+    def child() -> None:
+        load_general_plugins()  # what vLLM's engine core calls: a no-op after a fork
+        child_out.put(hasattr(Worker, WORKER_METHOD))
+
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join(60)
+    out.put((here, child_out.get(timeout=5), p.exitcode))
+
+
+def test_an_engine_core_forked_from_the_host_gets_the_worker_method():
+    """vLLM forks the engine core where it can (its default on GPU), and the
+    child inherits vLLM's "plugins loaded": without our hook at the fork the
+    worker had no `rollout_sidecar_call` and every weight op failed."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_fork_from_an_engine_host, args=(out,))
+    p.start()
+    p.join(300)
+    here, child, exitcode = out.get(timeout=5)
+    assert (here, child, exitcode) == (False, True, 0)

@@ -36,6 +36,8 @@ WEIGHT_TRANSFER_BACKEND = "rollout_sidecar"
 # API server, or a headless node's): vllm_plugin.py adds the worker method in
 # every other process that loads the plugin.
 ENGINE_HOST_PID_ENV = "ROLLOUT_SIDECAR_ENGINE_HOST_PID"
+# How vLLM starts its engine core and workers: spawn or fork (vLLM's variable).
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,14 @@ def build(settings: ServerSettings, model_path: Path, index: CheckpointIndex,
     )
     # Resolved here rather than in from_engine_args: the sized default needs
     # the model's shape and max_model_len as vLLM resolves them.
+    start_method = os.environ.get(START_METHOD_ENV)
     vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT, headless=headless)
+    if start_method and os.environ.get(START_METHOD_ENV) != start_method:
+        # vLLM-CPU sets spawn over any value (platforms/cpu.py); a method the
+        # user chose stands, as on every other platform.
+        log.info("%s=%s as set (vLLM's platform chose %s)", START_METHOD_ENV, start_method,
+                 os.environ.get(START_METHOD_ENV))
+        os.environ[START_METHOD_ENV] = start_method
     kv_why = kv.why
     if kv.source == "sized":
         vllm_config.cache_config.kv_cache_memory_bytes, kv_why = kv_cache_size.size_for(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -105,11 +107,20 @@ def write_default_model(out: str | os.PathLike) -> Path:
     return out
 
 
+# Writing the model (random init in several threads) takes seconds.
+WRITE_TIMEOUT_S = 600
+
+
 def ensure_default_model(cache_dir: str | os.PathLike) -> Path:
     """Build the default model into `cache_dir` once; later calls reuse it.
 
     Built in a temp dir and renamed into place, so a crash mid-write never
-    leaves a half checkpoint that a later start would try to serve.
+    leaves a half checkpoint that a later start would try to serve. Written
+    by a child process: torch's random init runs OpenMP's thread pool, and an
+    engine core that vLLM forks from a process whose pool has run hangs at
+    its first parallel op (GNU OpenMP is not fork-safe; vLLM forks on GPU,
+    `vllm/utils/system_utils.py:get_mp_context`). The server's process
+    never runs one before its engine starts.
     """
     target = Path(cache_dir) / f"default-llama-r{RECIPE_VERSION}"
     if (target / "rollout_sidecar_recipe.txt").exists():
@@ -117,7 +128,9 @@ def ensure_default_model(cache_dir: str | os.PathLike) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        write_default_model(tmp)
+        subprocess.run([sys.executable, "-c", "import sys; from rollout_sidecar.server.model."
+                        "default_model import write_default_model as w; w(sys.argv[1])",
+                        str(tmp)], check=True, timeout=WRITE_TIMEOUT_S)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race; theirs is identical

@@ -30,6 +30,7 @@ import torch
 
 from tests.conftest import ServerSpec, serves, stop_server
 from tests.e2e.test_push import run_worker
+from tests.server_plan import SPAWN
 
 pytestmark = pytest.mark.slow
 PUSHES = 20  # in test_staging_memory_stays_flat_over_20_delta_pushes
@@ -46,7 +47,7 @@ def tp2_env(share: str | None = None) -> dict[str, str]:
     # vLLM-CPU binds each worker's OpenMP threads to a NUMA node unless told
     # which cores to use; a one-node machine needs them named.
     env = {"ROLLOUT_SIDECAR_TENSOR_PARALLEL_SIZE": "2",
-           "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))}
+           "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus)), **SPAWN}
     return env if share is None else {**env, "ROLLOUT_SIDECAR_SHARE_HOST_STAGING": share}
 
 

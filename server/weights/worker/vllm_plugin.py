@@ -9,7 +9,9 @@ loads. It
   ops.py travels (worker_calls.py), in every process but the one that hosts
   the engine (the API server, or a headless node's executor; it says so in
   `ENGINE_HOST_PID_ENV`). It used to be added only in multiprocessing
-  children, which a Ray actor is not: under Ray every weight op failed;
+  children, which a Ray actor is not: under Ray every weight op failed. A
+  process forked from the engine's host (vLLM forks its engine core on GPU)
+  never loads plugins again, so the host arms a fork hook that does it;
 - asks the kernel to kill vLLM's child processes when their parent dies, so a
   SIGKILLed server leaves no orphaned EngineCore holding memory and ports.
 - on CPU, makes the engine core and workers nap while they wait for work,
@@ -27,6 +29,7 @@ import sys
 
 BACKEND = "rollout_sidecar"
 _PR_SET_PDEATHSIG = 1
+_FORK_ARMED = False  # the engine host's fork hook, armed once per process
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +45,23 @@ def register() -> None:
     if parent is not None:
         _die_with_parent(parent.pid)
     if hosts_engine():
+        # vLLM forks the engine core where it can (its default on GPU): the
+        # child inherits vLLM's "plugins loaded" flag and never calls us, so
+        # it is set up as a worker here, at the fork.
+        global _FORK_ARMED
+        if not _FORK_ARMED:
+            os.register_at_fork(after_in_child=_forked_from_engine_host)
+            _FORK_ARMED = True
         return  # it owns its lifetime, and runs no worker
+    _as_worker()
+
+
+def _forked_from_engine_host() -> None:
+    _die_with_parent(os.getppid())
+    _as_worker()
+
+
+def _as_worker() -> None:
     _add_worker_method()
     # Before the executor builds its message queues (engine/idle_wait.py).
     from rollout_sidecar.server.engine.idle_wait import wait_idle_on_cpu
