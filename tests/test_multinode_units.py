@@ -141,6 +141,9 @@ def _fork_from_an_engine_host(out: multiprocessing.Queue) -> None:
     p = multiprocessing.get_context("fork").Process(target=child)
     p.start()
     p.join(60)
+    if p.is_alive():  # a deadline, not a hang
+        p.kill()
+        p.join()
     out.put((here, child_out.get(timeout=5), p.exitcode))
 
 
@@ -153,5 +156,9 @@ def test_an_engine_core_forked_from_the_host_gets_the_worker_method():
     p = ctx.Process(target=_fork_from_an_engine_host, args=(out,))
     p.start()
     p.join(300)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        pytest.fail("the engine host and its forked child ran past 300 s")
     here, child, exitcode = out.get(timeout=5)
     assert (here, child, exitcode) == (False, True, 0)
