@@ -45,7 +45,7 @@ def one(method: str, batch: int, max_tokens: int, log: Path) -> dict[str, float]
     t1 = time.monotonic()
     body = {"prompts": ["hello world"] * batch,
             "sampling": {"max_tokens": max_tokens, "temperature": 1.0, "seed": 1}}
-    with httpx.Client(timeout=300) as c:
+    with server.stopped_on_error(), httpx.Client(timeout=300) as c:
         r = c.post(server.url + "/generate", json=body,
                    headers={"Authorization": f"Bearer {server.api_token}"})
         r.raise_for_status()

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -177,3 +178,21 @@ def _signal(p: psutil.Process, sig: int) -> None:
         p.send_signal(sig)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         pass
+
+
+def in_spawned_process(target: Any, args: tuple = (), timeout_s: float = 300) -> Any:
+    """`target(*args, out)` in a fresh spawned interpreter (nothing this one
+    imported or patched), and the value it puts on `out`; killed at
+    `timeout_s`, the test then failed by name."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, out))
+    proc.start()
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"{getattr(target, '__name__', target)} ran past {timeout_s:.0f} s")
+    return out.get(timeout=5)

@@ -15,6 +15,7 @@ import pytest
 
 from rollout_sidecar.server.weights import rendezvous_address as ra
 from rollout_sidecar.server.weights.staging_layout import WorkerHost
+from tests.processes import in_spawned_process
 
 HERE = "boot-a:4026531840"
 
@@ -84,12 +85,7 @@ def _hosts_engine(env: dict, out: multiprocessing.Queue) -> None:
 
 
 def _ask(env: dict) -> bool:
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    p = ctx.Process(target=_hosts_engine, args=(env, out))
-    p.start()
-    p.join(60)
-    return out.get(timeout=5)
+    return in_spawned_process(_hosts_engine, (env,), timeout_s=60)
 
 
 def test_the_worker_method_goes_everywhere_but_the_process_that_hosts_the_engine():
@@ -151,14 +147,5 @@ def test_an_engine_core_forked_from_the_host_gets_the_worker_method():
     """vLLM forks the engine core where it can (its default on GPU), and the
     child inherits vLLM's "plugins loaded": without our hook at the fork the
     worker had no `rollout_sidecar_call` and every weight op failed."""
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    p = ctx.Process(target=_fork_from_an_engine_host, args=(out,))
-    p.start()
-    p.join(300)
-    if p.is_alive():
-        p.kill()
-        p.join()
-        pytest.fail("the engine host and its forked child ran past 300 s")
-    here, child, exitcode = out.get(timeout=5)
+    here, child, exitcode = in_spawned_process(_fork_from_an_engine_host)
     assert (here, child, exitcode) == (False, True, 0)

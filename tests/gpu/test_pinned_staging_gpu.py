@@ -43,16 +43,9 @@ def _pinned_bytes() -> int:
 def test_pinned_staging_holds_one_layout_over_changing_pushes():
     """In a process of its own: pinned blocks other tests left cached would
     count in the allocator's totals."""
-    import multiprocessing as mp
+    from tests.processes import in_spawned_process
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_pushes, args=(out,))
-    proc.start()
-    proc.join(120)
-    if proc.is_alive():
-        proc.kill()
-    result = out.get(timeout=5)
+    result = in_spawned_process(_pushes, timeout_s=120)
     assert result == "ok", result
 
 
