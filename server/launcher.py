@@ -21,10 +21,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -42,6 +42,20 @@ ADMIN_TOKEN_ENV = "ROLLOUT_SIDECAR_ADMIN_TOKEN"
 DEFAULT_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 STACK_DUMP_S = 5.0
 LOG_TAIL_CHARS = 4000
+
+
+class ChildProcess(Protocol):
+    """What the launcher and its callers use of a started process:
+    `subprocess.Popen`'s, which a test harness's fork also has (tests/server_zygote.py)."""
+
+    pid: int
+    returncode: int | Any
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
 
 
 class ServerStartError(RuntimeError):
@@ -64,7 +78,7 @@ class ServerProcess:
     data_plane_port: int
     api_token: str
     admin_token: str
-    proc: subprocess.Popen
+    proc: ChildProcess
     log: Path
     env: dict[str, str] = field(repr=False)
     own_session: bool = False  # its own process group, killed whole by stop()
@@ -138,7 +152,7 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def stop_process(proc: subprocess.Popen, timeout_s: float = 60,
+def stop_process(proc: ChildProcess, timeout_s: float = 60,
                  own_session: bool = False) -> int | None:
     """SIGTERM (a server drains, then shuts its engine down); after
     `timeout_s`, SIGABRT (with PYTHONFAULTHANDLER, as `launch_server` sets it,
@@ -169,7 +183,8 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
                   args: Sequence[str] = (), host: str | None = None, cpus: str | None = None,
                   prefix: Sequence[str] = (), own_session: bool = False, wait: bool = True,
                   ready_timeout_s: float = 300, shm_size: str | None = None,
-                  failpoints: Path | None = None) -> ServerProcess:
+                  failpoints: Path | None = None,
+                  popen: Callable[..., ChildProcess] = subprocess.Popen) -> ServerProcess:
     """Start `python -m rollout_sidecar.server.cli serve` with its output in `log`.
 
     Ports: free ones unless given, bound here and passed to the server as
@@ -186,7 +201,9 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
     until /ready (else call `wait_ready()` later). `shm_size` (e.g. "256m";
     needs root): a /dev/shm of its own of that size (a tmpfs in a private
     mount namespace), as a container's `shm_size` gives it. `failpoints`:
-    a file of failpoints to arm (`serve --failpoints`; tests only).
+    a file of failpoints to arm (`serve --failpoints`; tests only). `popen`:
+    what starts the process, called as `subprocess.Popen` (tests fork it from
+    a process that has imported the server, tests/server_zygote.py).
     """
     env = dict(env or {})
     # An empty API token: the generate routes open, for clients that send none
@@ -233,7 +250,7 @@ def launch_server(*, log: Path, model: str | Path | None = None, dtype: str | No
     log.parent.mkdir(parents=True, exist_ok=True)
     try:
         with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+            proc = popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=own_session,
                                     pass_fds=[sock.fileno() for sock in held])
     finally:

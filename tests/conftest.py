@@ -4,15 +4,16 @@ rollout_sidecar.server.launcher, the one launcher the demo and benches use too).
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rollout_sidecar.server.launcher import (
+    DEFAULT_ENV,
+    ChildProcess,
     ServerProcess,
     free_port,
     launch_server,
@@ -30,6 +31,7 @@ from tests.server_plan import (
     serves,
     surface,
 )
+from tests.server_zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[1]
 __all__ = ["REPO", "Server", "ServerSpec", "free_port", "run_torchrun", "serves", "start_server",
@@ -42,7 +44,7 @@ class Server:
     api_token: str
     admin_token: str
     model_path: Path
-    proc: subprocess.Popen
+    proc: ChildProcess
     log: Path
     port: int = 0
     dp_port: int = 0
@@ -78,7 +80,7 @@ def start_server(tmp: Path, name: str, extra_env: dict | None = None,
                       data_plane_port=like.dp_port if like else None,
                       api_token=tokens_of.api_token if tokens_of else None,
                       admin_token=tokens_of.admin_token if tokens_of else None,
-                      ready_timeout_s=300)
+                      ready_timeout_s=300, popen=PLAN.machine.popen)
     return as_server(s, tmp)
 
 
@@ -206,11 +208,19 @@ def pytest_runtest_logfinish(nodeid, location):
 @pytest.fixture(scope="session", autouse=True)
 def server_plan(tmp_path_factory):
     PLAN.root = tmp_path_factory.mktemp("servers")
+    # Planned servers fork from one process that has imported the server
+    # (tests/server_zygote.py), where their environment allows it.
+    zygote = Zygote(PLAN.root / "zygote", {**DEFAULT_ENV, **os.environ, **TEST_ENV}) \
+        if PLAN.todo else None
+    if zygote is not None:
+        PLAN.machine = replace(PLAN.machine, popen=zygote.popen)
     PLAN.prefetch()
     PLAN.start_monitor()
     yield PLAN
     wait_for_stops()
     PLAN.close()
+    if zygote is not None:
+        zygote.close()
 
 
 server = server_fixture(DEFAULT, scope="session")

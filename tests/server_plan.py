@@ -38,6 +38,7 @@ that no test patched what the plan reads (tests/conftest.py).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -50,6 +51,7 @@ import psutil
 import pytest
 
 from rollout_sidecar.server.launcher import ServerProcess, launch_server, stop_process
+from tests.server_zygote import ForkedProcess
 
 # Servers launched ahead, not taken yet: the next two always start beside the
 # running tests (two keep both cores busy while a test runs on one; a start is
@@ -196,6 +198,9 @@ class Machine:
     spare: Callable[[int], bool] = memory_to_spare  # room for one more start?
     cpu_times: Callable[[], Any] = psutil.cpu_times
     monitor_s: float = MONITOR_S
+    # What a launch starts its process with (`launch_server`'s `popen`): the
+    # session's zygote forks the servers it can (tests/server_zygote.py).
+    popen: Callable[..., Any] = subprocess.Popen
 
 
 class ServerPlan:
@@ -259,10 +264,11 @@ class ServerPlan:
 
     def _launch_next(self, why: str) -> None:
         spec = self.todo.pop(0)
-        self.launched[spec] = self._launch(spec)
+        self.launched[spec] = start = self._launch(spec)
         if self.root is not None:  # which starts filled idle time, for the run's record
+            how = ", forked" if isinstance(getattr(start, "proc", None), ForkedProcess) else ""
             with open(self.root / "plan.log", "a") as log:
-                log.write(f"{datetime.now():%H:%M:%S} {spec.name}: {why}\n")
+                log.write(f"{datetime.now():%H:%M:%S} {spec.name}: {why}{how}\n")
 
     def start_monitor(self) -> None:
         self.monitor = threading.Thread(target=self._monitor, daemon=True, name="server-plan")
@@ -324,7 +330,8 @@ class ServerPlan:
         return self.root / spec.name
 
     def _launch(self, spec: ServerSpec, **overrides: Any) -> Any:
-        proc = self.machine.launch(self.folder(spec), spec, **overrides)
+        proc = self.machine.launch(self.folder(spec), spec, popen=self.machine.popen,
+                                   **overrides)
         with self.lock:
             self.started.append(proc)
         return proc

@@ -107,6 +107,25 @@ def test_the_worker_method_goes_everywhere_but_the_process_that_hosts_the_engine
     assert _ask({}) is False  # no variable: a multiprocessing child hosts nothing
 
 
+def _hosts_engine_beside_ray(out: multiprocessing.Queue) -> None:
+    os.environ.pop("ROLLOUT_SIDECAR_ENGINE_HOST_PID", None)
+    import ray  # as vLLM imports it wherever it is installed (v1/engine/async_llm.py)
+
+    from rollout_sidecar.server.weights.worker.vllm_plugin import _in_ray_worker
+
+    out.put((_in_ray_worker(), ray.is_initialized()))
+
+
+def test_asking_whether_this_is_a_ray_worker_starts_no_ray():
+    """A process with Ray imported, not initialised, is no Ray worker, and
+    asking must not start a local Ray instance (ray's get_runtime_context()
+    does, on an uninitialised Ray: it did in every server forked from a
+    process that had imported Ray, and would in any vLLM process on a
+    machine with Ray installed that asks before our variable is set)."""
+    pytest.importorskip("ray")
+    assert in_spawned_process(_hosts_engine_beside_ray, timeout_s=120) == (False, False)
+
+
 def test_headless_runs_only_on_hosts_1_and_on():
     from rollout_sidecar.server.config import ServerSettings
     from rollout_sidecar.server.engine.headless import HeadlessRefused, check

@@ -83,7 +83,11 @@ def hosts_engine() -> bool:
 
 def _in_ray_worker() -> bool:
     ray = sys.modules.get("ray")
-    if ray is None:
+    # Imported is not initialised: vLLM imports Ray wherever it is installed
+    # (v1/engine/async_llm.py), and ray.get_runtime_context() on an
+    # uninitialised Ray starts a local Ray instance (ray's auto_init_hook):
+    # seconds and a cluster of processes, in any vLLM process on the machine.
+    if ray is None or not ray.is_initialized():
         return False
     try:
         return ray.get_runtime_context().worker.mode == ray.WORKER_MODE
