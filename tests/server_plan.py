@@ -81,7 +81,10 @@ START_GIB = 1.5
 # 25.5. The servers whose tests prove something of the product's own CPU
 # layout (the worker a process of its own, spawned: vLLM's mp executor, as
 # `serve` runs on CPU) say so with WORKER_PROCESS; TP >= 2 servers have worker
-# processes whatever this says, and spawn them (SPAWN).
+# processes whatever this says, and spawn them (SPAWN). The API process itself
+# is forked from the session's zygote where this environment allows it
+# (tests/server_zygote.py): WORKER_PROCESS and SPAWN servers differ from it in
+# keys vLLM reads, so they start as fresh interpreters.
 SPAWN = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 WORKER_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **SPAWN}
 TEST_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",

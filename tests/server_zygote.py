@@ -132,6 +132,7 @@ class Zygote:
         self.modules = tuple(modules)
         self.log = folder / "zygote.log"
         self.up: bool | None = None  # None: not known yet
+        self.set_by_imports: dict[str, str] = {}  # the zygote's environment its imports changed
         repo = str(Path(__file__).resolve().parents[1])
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
@@ -148,17 +149,24 @@ class Zygote:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.up = False
             elif self.path.exists():
+                self.set_by_imports = json.loads(_env_file(self.path).read_text())
                 self.up = True
             else:
                 time.sleep(POLL_S)
         return self.up
 
     def eligible(self, cmd: Sequence[str], env: Mapping[str, str]) -> bool:
+        """`python -m` of a module it serves, in an environment that differs
+        from the zygote's only where a server reads it at run time, or where
+        the zygote's own imports set a key (OpenCV's LD_LIBRARY_PATH, vLLM's
+        TORCHINDUCTOR_*): the caller's imports set the same."""
         if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" \
                 or cmd[2] not in self.modules:
             return False
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return all(k.startswith(RUNTIME_PREFIXES) for k in differ)
+        return all(k.startswith(RUNTIME_PREFIXES)
+                   or (k in self.set_by_imports and env.get(k) == self.set_by_imports[k])
+                   for k in differ)
 
     def popen(self, cmd: Sequence[str], *, env: Mapping[str, str], stdout: IO[Any],
               stderr: Any, start_new_session: bool = False,
@@ -204,7 +212,12 @@ class Zygote:
 # ---- the zygote process -------------------------------------------------------------------
 
 
-def _become(request: dict, fds: list[int], sockets: list[socket.socket]) -> None:
+def _env_file(path: Path | str) -> Path:
+    return Path(f"{path}.env.json")
+
+
+def _become(request: dict, fds: list[int], sockets: list[socket.socket],
+            set_by_imports: Mapping[str, str]) -> None:
     """In the forked child: take the request's process state, then run its module."""
     for s in sockets:
         s.close()
@@ -239,7 +252,9 @@ def _become(request: dict, fds: list[int], sockets: list[socket.socket]) -> None
         setproctitle.setproctitle(" ".join(title))
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(request["env"])
+    # What a fresh interpreter's imports would have set in its environment, as
+    # the zygote's did (its subprocesses inherit it).
+    os.environ.update({**set_by_imports, **request["env"]})
     sys.argv = [request["module"], *request["argv"]]
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     sys.exit(0)
@@ -276,9 +291,33 @@ def _reap(children: dict[int, socket.socket]) -> None:
             conn.close()
 
 
+def _die_with_parent() -> None:
+    """SIGTERM when the caller ends, however it ends (servers forked since
+    do not inherit it: they are the caller's to stop)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _serve_request(listener: socket.socket) -> tuple[socket.socket, dict, list[int]] | None:
+    """The next request, or None (a caller that left before it asked)."""
+    conn, _ = listener.accept()
+    try:
+        conn.settimeout(10)
+        msg, fds, _, _ = socket.recv_fds(conn, MESSAGE_BYTES, 64)
+        return conn, json.loads(msg), fds
+    except (OSError, ValueError) as e:
+        print(f"zygote: a caller left before its request: {e!r}", flush=True)
+        conn.close()
+        return None
+
+
 def main(path: str, modules: str, preload: str) -> None:
+    _die_with_parent()
+    before = dict(os.environ)
     for name in filter(None, preload.split(",")):
         importlib.import_module(name)
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
     served = set(modules.split(","))
     # Plugins loaded here would arm their fork hooks in every child (the
     # engine host's, vllm_plugin.py): the servers load them themselves.
@@ -297,6 +336,7 @@ def main(path: str, modules: str, preload: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".tmp")
     listener.listen(16)
+    _env_file(path).write_text(json.dumps(set_by_imports))
     os.rename(path + ".tmp", path)  # the caller waits for this name
     print(f"zygote: serving {sorted(served)} at {path}", flush=True)
     children: dict[int, socket.socket] = {}
@@ -305,9 +345,10 @@ def main(path: str, modules: str, preload: str) -> None:
         _reap(children)
         if not readable:
             continue
-        conn, _ = listener.accept()
-        msg, fds, _, _ = socket.recv_fds(conn, MESSAGE_BYTES, 64)
-        request = json.loads(msg)
+        asked = _serve_request(listener)
+        if asked is None:
+            continue
+        conn, request, fds = asked
         clash = set(request["pass_fds"]) & start_fds
         if request["module"] not in served or clash or len(fds) != 1 + len(request["pass_fds"]):
             for fd in fds:
@@ -318,7 +359,7 @@ def main(path: str, modules: str, preload: str) -> None:
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
-            _become(request, fds, [listener, conn, *children.values()])
+            _become(request, fds, [listener, conn, *children.values()], set_by_imports)
         for fd in fds:
             os.close(fd)
         children[pid] = conn

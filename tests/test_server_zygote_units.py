@@ -75,4 +75,13 @@ def test_what_the_zygote_cannot_serve_gets_a_real_popen(zygote, tmp_path):
     assert isinstance(proc, subprocess.Popen)
     assert proc.wait(60) == 0
     assert not zygote.eligible(["taskset", "-c", "1", sys.executable, "-m", PROBE], zygote.env)
+    cmd = [sys.executable, "-m", PROBE]
+    # A key the zygote's own imports set (OpenCV sets LD_LIBRARY_PATH), set
+    # the same by the caller's imports: a fresh interpreter would have it too.
+    zygote.set_by_imports["LD_LIBRARY_PATH"] = "/cv2/lib64:"
+    try:
+        assert zygote.eligible(cmd, {**zygote.env, "LD_LIBRARY_PATH": "/cv2/lib64:"})
+        assert not zygote.eligible(cmd, {**zygote.env, "LD_LIBRARY_PATH": "/elsewhere"})
+    finally:
+        del zygote.set_by_imports["LD_LIBRARY_PATH"]
     assert not zygote.eligible([sys.executable, "-m", "json.tool"], zygote.env)
