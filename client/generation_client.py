@@ -44,6 +44,7 @@ from rollout_sidecar.client.request_plans import (
 )
 from rollout_sidecar.protocol.calls.liveness import LivenessPolicy
 from rollout_sidecar.protocol.calls.stall_watch import Silent, run_watched, run_watched_async
+from rollout_sidecar.protocol.calls.tls import shared_tls
 from rollout_sidecar.protocol.schema import (
     GenerateRequest,
     GenerateResponse,
@@ -145,7 +146,7 @@ class _Replicated:
         # No base_url: every request names its replica. No transport retries:
         # a connect error must move to another replica (see request_plans.py).
         self._http_kwargs: dict[str, Any] = dict(headers=auth_headers(api_token),
-                                                 timeout=timeout)
+                                                 timeout=timeout, verify=shared_tls())
 
     def replicas(self) -> list[ReplicaState]:
         """Each replica's URL, requests outstanding from this client, last seen

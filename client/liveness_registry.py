@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from rollout_sidecar.protocol.calls.liveness import LivenessPolicy, Ping, ReplicaLiveness
+from rollout_sidecar.protocol.calls.tls import shared_tls
 
 Key = tuple[str, LivenessPolicy, Hashable]
 
@@ -73,7 +74,7 @@ def _make(url: str, policy: LivenessPolicy, ping: Ping | None,
         return ReplicaLiveness(url, ping, policy)
     # /health is open (no token). A transport given by a client stays open:
     # closing our httpx.Client would close it under that client.
-    http = httpx.Client(transport=transport)
+    http = httpx.Client(transport=transport, verify=shared_tls())
 
     def get(ping_url: str, timeout_s: float) -> None:
         http.get(ping_url, timeout=timeout_s)

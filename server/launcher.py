@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from rollout_sidecar.protocol.calls.tls import shared_tls
 from rollout_sidecar.protocol.schema import routes
 from rollout_sidecar.protocol.schema.endpoints import auth_headers
 from rollout_sidecar.server.listeners import PortUnavailable, bind_port, port_of
@@ -92,7 +93,8 @@ class ServerProcess:
 
     def is_ready(self) -> bool:
         with contextlib.suppress(httpx.TransportError):
-            return httpx.get(self.url + routes.READY.path, timeout=2).status_code == 200
+            return httpx.get(self.url + routes.READY.path, timeout=2,
+                             verify=shared_tls()).status_code == 200
         return False
 
     def check_alive(self) -> None:
@@ -116,7 +118,8 @@ class ServerProcess:
 
     def info(self) -> dict[str, Any]:
         """GET /info (model, dtype, weight_version, ...)."""
-        r = httpx.get(self.url + routes.INFO.path, timeout=30, headers=auth_headers(self.api_token))
+        r = httpx.get(self.url + routes.INFO.path, timeout=30, headers=auth_headers(self.api_token),
+                      verify=shared_tls())
         r.raise_for_status()
         return r.json()
 

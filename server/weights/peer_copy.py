@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from rollout_sidecar.protocol import failpoints
+from rollout_sidecar.protocol.calls.tls import shared_tls
 from rollout_sidecar.protocol.data_plane.bucket_check import crc32_of_bytes
 from rollout_sidecar.protocol.schema import BeginRequest, StagedCopy, WeightStatus, routes
 from rollout_sidecar.protocol.schema.endpoints import expand_urls
@@ -120,7 +121,7 @@ class PeerCopy:
         if token is None:
             raise PeerRefused("no admin token: nothing to prove a peer holds it with")
         limit = svc.settings.max_request_bytes
-        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
+        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S, verify=shared_tls()) as http:
             found = await asyncio.gather(*(self._status(http, u, token, limit) for u in peers))
             own = svc.engine.gate.version
             usable = [(st, session) for st, session in found

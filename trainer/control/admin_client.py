@@ -18,6 +18,7 @@ import httpx
 from pydantic import BaseModel
 
 from rollout_sidecar.protocol.calls.failures import NEVER_SENT  # the request never reached it
+from rollout_sidecar.protocol.calls.tls import shared_tls
 from rollout_sidecar.protocol.failpoints import fire
 from rollout_sidecar.protocol.schema import (
     AbortRequest,
@@ -56,7 +57,7 @@ class WeightAdminClient:
         self.base_url = base_url
         self.deadlines = deadlines or Deadlines()
         self._http = httpx.Client(base_url=base_url, headers=auth_headers(token),
-                                  timeout=self.deadlines.quick)
+                                  timeout=self.deadlines.quick, verify=shared_tls())
 
     def _call(self, route: Route, phase: str, budget_s: float | None = None,
               body: BaseModel | None = None, path: str | None = None, **kw: Any) -> Any:

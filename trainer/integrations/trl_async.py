@@ -41,6 +41,7 @@ import httpx
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 
+from rollout_sidecar.protocol.calls.tls import shared_tls
 from rollout_sidecar.trainer.integrations.trl_trainer import push_target
 from rollout_sidecar.trainer.pusher import WeightPusher
 
@@ -101,7 +102,7 @@ class SidecarRolloutLoop(_AsyncRolloutLoop):
 
 def _get(url: str, headers: dict[str, str]) -> dict:
     """A GET of the server's JSON; a 401 (no or a wrong API token) says so."""
-    r = httpx.get(url, headers=headers, timeout=60)
+    r = httpx.get(url, headers=headers, timeout=60, verify=shared_tls())
     r.raise_for_status()
     return r.json()
 
