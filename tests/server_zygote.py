@@ -9,7 +9,7 @@ for a fork (`Zygote.popen`, in place of `subprocess.Popen`): the child sets
 the environment, working directory, output and listening sockets it was
 sent, then runs `python -m <module>`'s code as that command would have
 (`runpy`), its engine core forked from it as test servers' are anyway.
-Measured (bench/engine_start.py): to ready 4.3 CPU-s against 16.5.
+Measured side by side (bench/engine_start.py): to ready, 0.24x the CPU.
 
 Eligible: `[sys.executable, "-m", <a module the zygote serves>, ...]` with an
 environment that differs from the zygote's only in `ROLLOUT_SIDECAR_*` keys

@@ -147,8 +147,8 @@ def main(path: str, modules: str, preload: str) -> None:
         sys.exit(f"zygote: threads {threading.enumerate()} after the imports; a fork would "
                  "leave their locks held in every child")
     # What the imports made lives as long as every child: out of their
-    # collections (Python's gc docs advise it before forking; measured, a
-    # server's start 4.3 CPU-s against 5.9).
+    # collections (Python's gc docs advise it before forking; measured, two
+    # starts each way: 4.3 CPU-s to ready against 5.9).
     gc.freeze()
     start_fds = {fd for fd in map(int, os.listdir("/proc/self/fd")) if _is_open(fd)}
     parent = os.getppid()
