@@ -50,7 +50,7 @@ class ChildProcess(Protocol):
     `subprocess.Popen`'s, which a test harness's fork also has (tests/server_zygote.py)."""
 
     pid: int
-    returncode: int | Any
+    returncode: int | None
 
     def poll(self) -> int | None: ...
     def wait(self, timeout: float | None = None) -> int: ...
