@@ -15,7 +15,9 @@ loads. It
 - asks the kernel to kill vLLM's child processes when their parent dies, so a
   SIGKILLed server leaves no orphaned EngineCore holding memory and ports.
 - on CPU, makes the engine core and workers nap while they wait for work,
-  not loop on sched_yield (engine/idle_wait.py).
+  not loop on sched_yield (engine/idle_wait.py);
+- lets our server's engine core and workers exit without collecting the
+  heap they froze at start-up (engine/exit_heap.py).
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ def _as_worker() -> None:
     from rollout_sidecar.server.engine.idle_wait import wait_idle_on_cpu
 
     wait_idle_on_cpu()
+    from rollout_sidecar.server.engine.exit_heap import keep_heap_frozen_at_exit
+
+    keep_heap_frozen_at_exit()
 
 
 def hosts_engine() -> bool:
