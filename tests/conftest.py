@@ -19,7 +19,7 @@ from rollout_sidecar.server.launcher import (
     launch_server,
     stop_process,
 )
-from tests import processes, rank_pool
+from tests import processes, rank_pool, server_pause
 from tests.server_plan import (
     TEST_ENV,
     WORKER_PROCESS,
@@ -121,16 +121,37 @@ def wait_for_stops() -> None:
         STOPPING.pop().join(120)
 
 
+# The servers shared past a module (session and package scope), by fixture
+# name: paused for the tests that do not use them (tests/server_pause.py).
+# Idle, each spent 0.05 CPU-s a second, the session's for half an hour.
+SHARED: dict[str, Server] = {}
+USED: dict[str, bool] = {}  # whether the last test used each (the run's record only)
+
+
 def server_fixture(spec: ServerSpec, scope: str = "module") -> Any:
     """A fixture that takes `spec`'s server from the plan for its `scope`
     and stops it after: `srv = server_fixture(SPEC)` in a test module."""
     @pytest.fixture(scope=scope)
     @serves(spec)
-    def fixture(server_plan):
+    def fixture(server_plan, request):
         s = server_plan.take(spec)
+        if scope in ("session", "package"):
+            SHARED[request.fixturename] = s
         yield s
+        SHARED.pop(request.fixturename, None)
         stop_server(s, wait=False)
     return fixture
+
+
+def share_between(item: pytest.Item) -> None:
+    """Before `item`: the shared servers it uses run, the others pause (and
+    the run's record says when each stops or starts being used)."""
+    for name, s in SHARED.items():
+        used = name in item.fixturenames
+        (server_pause.resume if used else server_pause.pause)(s.proc)
+        if USED.get(name, True) != used:
+            PLAN.note(f"{name}: {'in use from' if used else 'paused from'} {item.nodeid}")
+        USED[name] = used
 
 
 # The servers fixtures take (`@serves`), launched ahead of their tests
@@ -186,6 +207,7 @@ def pytest_runtest_call(item):
 def pytest_runtest_setup(item):
     quiet = item.get_closest_marker("quiet") is not None
     PLAN.set_quiet(quiet)
+    share_between(item)
     if quiet:
         from tests.compose.image_build import BUILD
 
@@ -199,6 +221,13 @@ def pytest_sessionfinish(session):
 
     BUILD.stop()
     rank_pool.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item):
+    # A teardown may talk to any server its fixtures hold.
+    for s in SHARED.values():
+        server_pause.resume(s.proc)
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -217,6 +246,7 @@ def server_plan(tmp_path_factory):
     PLAN.prefetch()
     PLAN.start_monitor()
     yield PLAN
+    server_pause.resume_all()
     wait_for_stops()
     PLAN.close()
     if zygote is not None:
@@ -229,15 +259,10 @@ server = server_fixture(DEFAULT, scope="session")
 FP32 = ServerSpec("fp32", dtype="float32")
 
 
-@pytest.fixture(scope="session")
-@serves(FP32)
-def fp32_server(server_plan):
-    """The default model served in float32, for the modules that need nothing
-    else of their server (test_openai.py, test_peft_push.py): one start, not
-    one per module. Each reads the version it starts from."""
-    s = server_plan.take(FP32)
-    yield s
-    stop_server(s, wait=False)
+# The default model served in float32, for the modules that need nothing else
+# of their server (test_openai.py, test_peft_push.py): one start, not one per
+# module. Each reads the version it starts from.
+fp32_server = server_fixture(FP32, scope="session")
 
 
 # Folders whose tests start a real engine, torchrun ranks or Docker: marked

@@ -18,15 +18,17 @@ a frozen server). A monitor thread samples the machine's CPU every
 servers ahead, up to `MAX_AHEAD` waiting, as memory allows. Starts are
 pulled into idle time only: launching everything early would move them into
 busy stretches instead (in one full run, keeping two starts in flight at
-all times took 2 minutes longer and left the idle tail no fuller). A ready
-server waiting for its test costs memory, not CPU.
+all times took 2 minutes longer and left the idle tail no fuller).
 
 A test marked `quiet` (it asserts about wall-clock time: a deadline, a
 liveness miss, a drain) runs with nothing starting beside it: before it
 starts, the plan waits for every start in flight; while it runs, none begins.
-A server that fails to start fails the test that takes it, as it would have
-without the plan; at the end of the session every server the plan launched
-that still runs is stopped, whatever a test did with it.
+A start the monitor sees ready is paused until its test takes it
+(tests/server_pause.py): a ready server that waits spends no CPU, so
+starts pulled into idle time cost memory only. A server that fails to
+start fails the test that takes it, as it would have without the plan; at
+the end of the session every server the plan launched that still runs is
+continued and stopped, whatever a test did with it.
 
 What the plan does to the machine (launch, stop) and reads of it (CPU
 times, memory, its period) is one `Machine`, bound when the plan is built.
@@ -41,6 +43,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -51,6 +54,7 @@ import psutil
 import pytest
 
 from rollout_sidecar.server.launcher import ServerProcess, launch_server, stop_process
+from tests import server_pause
 from tests.server_zygote import ForkedProcess
 
 # Servers launched ahead, not taken yet: the next two always start beside the
@@ -62,6 +66,7 @@ MAX_AHEAD = 4
 # The monitor's period, and the machine's busy share under which it fills idle.
 MONITOR_S = 2.0
 IDLE_BUSY = 0.7
+SETTLE_POLL_S = 0.2
 # No start ahead with less memory than this available (CI's machines: 24 GiB,
 # no swap), plus START_GIB for each start in flight (not yet at its full size):
 # a start, then what the running test starts itself, must fit.
@@ -204,6 +209,9 @@ class Machine:
     # What a launch starts its process with (`launch_server`'s `popen`): the
     # session's zygote forks the servers it can (tests/server_zygote.py).
     popen: Callable[..., Any] = subprocess.Popen
+    # A ready start that waits for its test, paused; continued when taken.
+    pause: Callable[[Any], bool] = server_pause.pause
+    resume: Callable[[Any], bool] = server_pause.resume
 
 
 class ServerPlan:
@@ -239,6 +247,7 @@ class ServerPlan:
                     self.todo.remove(spec)
                 self.ready.discard(spec)
                 proc = self.launched.pop(spec, None) or self._launch(spec)
+                self.machine.resume(proc.proc)
             self.prefetch()
         with proc.stopped_on_error():
             proc.wait_ready(300)
@@ -268,10 +277,14 @@ class ServerPlan:
     def _launch_next(self, why: str) -> None:
         spec = self.todo.pop(0)
         self.launched[spec] = start = self._launch(spec)
-        if self.root is not None:  # which starts filled idle time, for the run's record
-            how = ", forked" if isinstance(getattr(start, "proc", None), ForkedProcess) else ""
+        how = ", forked" if isinstance(getattr(start, "proc", None), ForkedProcess) else ""
+        self.note(f"{spec.name}: {why}{how}")
+
+    def note(self, line: str) -> None:
+        """The run's record (which starts filled idle time, when each paused)."""
+        if self.root is not None:
             with open(self.root / "plan.log", "a") as log:
-                log.write(f"{datetime.now():%H:%M:%S} {spec.name}: {why}{how}\n")
+                log.write(f"{datetime.now():%H:%M:%S} {line}\n")
 
     def start_monitor(self) -> None:
         self.monitor = threading.Thread(target=self._monitor, daemon=True, name="server-plan")
@@ -293,6 +306,8 @@ class ServerPlan:
                     with self.lock:
                         if spec in self.launched:
                             self.ready.add(spec)
+                            self.machine.pause(proc.proc)
+                            self.note(f"{spec.name}: ready, paused")
             self.fill_idle(busy)
 
     def set_quiet(self, quiet: bool) -> None:
@@ -302,16 +317,17 @@ class ServerPlan:
         if not quiet:
             self.prefetch()
 
-    def settle(self) -> None:
-        """Wait for the starts in flight (before a `quiet` test)."""
-        with self.lock:
-            launched = list(self.launched.values())
-        for proc in launched:
-            if proc.proc.poll() is None:
-                try:
-                    proc.wait_ready(300)
-                except Exception:  # noqa: BLE001 - the test that takes it reports it
-                    pass
+    def settle(self, timeout_s: float = 300) -> None:
+        """Wait for the starts in flight (before a `quiet` test) until the
+        monitor has seen each ready or gone (a ready one it pauses: asking
+        it here could meet it paused)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            with self.lock:
+                if all(spec in self.ready or proc.proc.poll() is not None
+                       for spec, proc in self.launched.items()):
+                    return
+            self.stopping.wait(SETTLE_POLL_S)
 
     def close(self) -> None:
         """Stop the monitor, then every start that still runs: untaken ones,
@@ -326,6 +342,7 @@ class ServerPlan:
             started, self.started = self.started, []
         for proc in started:
             if proc.proc.poll() is None:
+                self.machine.resume(proc.proc)  # a stopped process takes no SIGTERM
                 self.machine.stop(proc.proc)
 
     def folder(self, spec: ServerSpec) -> Path:

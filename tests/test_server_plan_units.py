@@ -1,8 +1,9 @@
 """Units for tests/server_plan.py's look-ahead, with fake starts (no engine):
 the next `LOOKAHEAD` servers always start; more start only while the cores
 idle, up to `MAX_AHEAD` waiting, never during a `quiet` test, never past the
-memory guard; the monitor sees starts become ready and fills idle by itself;
-the session's end stops every start that still runs.
+memory guard; the monitor sees starts become ready, pauses them and fills
+idle by itself; the session's end continues and stops every start that
+still runs.
 
 Each test builds a plan of its own with a fake `Machine`: nothing here
 patches the class, the module or psutil, which the session's own plan (and
@@ -38,6 +39,7 @@ class FakeStart:
     def __init__(self) -> None:
         self.up = threading.Event()
         self.stopped = False
+        self.paused = False
         self.proc = self  # stop_process(proc.proc) and proc.proc.poll() get this
 
     def is_ready(self) -> bool:
@@ -51,7 +53,18 @@ class FakeStart:
 
 
 def stop(proc: FakeStart) -> None:
+    assert not proc.paused, "a paused server was stopped: it would never take the SIGTERM"
     proc.stopped = True
+
+
+def pause(proc: FakeStart) -> bool:
+    was, proc.paused = proc.paused, True
+    return not was
+
+
+def resume(proc: FakeStart) -> bool:
+    was, proc.paused = proc.paused, False
+    return was
 
 
 def fake_plan(tmp_path: Path, **machine) -> tuple[ServerPlan, dict[str, FakeStart]]:
@@ -63,7 +76,8 @@ def fake_plan(tmp_path: Path, **machine) -> tuple[ServerPlan, dict[str, FakeStar
         starts[spec.name] = FakeStart()
         return starts[spec.name]
 
-    machine = {"launch": launch, "stop": stop, "spare": lambda starting: True, **machine}
+    machine = {"launch": launch, "stop": stop, "pause": pause, "resume": resume,
+               "spare": lambda starting: True, **machine}
     p = ServerPlan([ServerSpec(f"s{i}") for i in range(8)], lookahead=2, max_ahead=4,
                    machine=Machine(**machine))
     p.root = tmp_path
@@ -156,9 +170,34 @@ def test_the_monitor_sees_starts_ready_and_fills_idle_cores(tmp_path):
     while len(starts) < 4:
         assert time.monotonic() < deadline, f"the monitor launched only {sorted(starts)}"
         threading.Event().wait(0.01)
+    assert starts["s0"].paused and starts["s1"].paused  # ready, waiting: no CPU spent
+    assert not starts["s2"].paused  # not ready yet
     p.close()  # joins the monitor: nothing can launch after it returns
     assert sorted(starts) == ["s0", "s1", "s2", "s3"]
     assert not p.monitor.is_alive() and not p.todo
+    assert all(s.stopped and not s.paused for s in starts.values())  # continued, then stopped
+
+
+def test_settle_waits_for_the_monitor_to_see_each_start_ready_or_gone(tmp_path):
+    """Before a `quiet` test; never asks a start itself (it may be paused)."""
+    clock = iter(range(10**6))
+
+    def busy_machine() -> Times:  # 100% busy: the monitor launches nothing more
+        t = next(clock)
+        return Times(t, 0, 0, 0)
+
+    p, starts = fake_plan(tmp_path, cpu_times=busy_machine, monitor_s=0.01)
+    p.prefetch()
+    p.start_monitor()
+    settled = threading.Thread(target=p.settle)
+    settled.start()
+    settled.join(0.2)
+    assert settled.is_alive()  # s0 and s1 still starting
+    starts["s0"].up.set()
+    stop(starts["s1"])  # a start that failed is done starting too
+    settled.join(10)
+    assert not settled.is_alive() and starts["s0"].paused
+    p.close()
 
 
 def test_the_end_stops_every_start_still_running_taken_or_not(plan):
