@@ -27,6 +27,22 @@ def test_same_seed_same_output(server):
     assert [len(p.samples) for p in a.results] == [3, 3]
 
 
+def test_seeded_prompts_past_the_step_budget_are_served(server):
+    """Seeded prompts that together exceed a step's token budget (2048 on
+    CPU): vLLM prefills one of them in parts, then rewinds its generator,
+    which a CPU generator cannot do; the engine died with every request in
+    flight (server/engine/seeded_prefill.py)."""
+    # Twelve distinct prompts of 440 tokens (no prefix shared): a step takes
+    # four whole and part of a fifth. Ids below the default model's vocab (264).
+    prompts = [[5 + (37 * i + j) % 250 for j in range(440)] for i in range(12)]
+    with server.client() as c:
+        out = c.generate(prompt_token_ids=prompts,
+                         sampling=dict(max_tokens=4, seed=7, temperature=1.0))
+        assert [len(p.samples[0].token_ids) for p in out.results] == [4] * 12
+        again = c.generate(["abc"], sampling=dict(max_tokens=4, seed=7))  # the engine lives
+        assert len(again.results[0].samples[0].token_ids) == 4
+
+
 def test_every_token_has_a_logprob_matching_transformers(server):
     from transformers import AutoModelForCausalLM
 

@@ -17,7 +17,9 @@ loads. It
 - on CPU, makes the engine core and workers nap while they wait for work,
   not loop on sched_yield (engine/idle_wait.py);
 - lets our server's engine core and workers exit without collecting the
-  heap they froze at start-up (engine/exit_heap.py).
+  heap they froze at start-up (engine/exit_heap.py);
+- on CPU, keeps a seeded request whose prefill is split from killing the
+  engine (engine/seeded_prefill.py).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def _as_worker() -> None:
     from rollout_sidecar.server.engine.exit_heap import keep_heap_frozen_at_exit
 
     keep_heap_frozen_at_exit()
+    from rollout_sidecar.server.engine.seeded_prefill import skip_cpu_generator_rewind
+
+    skip_cpu_generator_rewind()
 
 
 def hosts_engine() -> bool:
