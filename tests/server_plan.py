@@ -306,8 +306,8 @@ class ServerPlan:
                     with self.lock:
                         if spec in self.launched:
                             self.ready.add(spec)
-                            self.machine.pause(proc.proc)
-                            self.note(f"{spec.name}: ready, paused")
+                            if self.machine.pause(proc.proc):  # not one that exited
+                                self.note(f"{spec.name}: ready, paused")
             self.fill_idle(busy)
 
     def set_quiet(self, quiet: bool) -> None:
