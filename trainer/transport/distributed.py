@@ -97,6 +97,9 @@ class DistributedTransport:
         self.fanout: Fanout = "broadcast"  # this connection's; decided at connect
         self.senders = 1  # this connection's trainer ranks that send
         self.ring_starts: tuple[int, ...] | None = None  # this connection's (ring_route.py)
+        # Who this connection's group was formed with: each replica's URL and
+        # its data-plane ranks, in rank order (`members`).
+        self.members: tuple[tuple[str, int], ...] = ()
         self.group: Any = None
         self.connection_id: str | None = None
         self._secret: bytes | None = None  # this connection's; never logged
@@ -136,21 +139,31 @@ class DistributedTransport:
                     raise tampered_every_try(e) from e
                 log.warning("data-plane connect %d of %d: %s", attempt, CONNECT_TRIES, e)
 
+    def members_of(self, statuses: list[Any]) -> tuple[tuple[str, int], ...]:
+        """The replicas listed now with their data-plane ranks, in rank order."""
+        return tuple((url, s.data_plane_ranks)
+                     for url, s in zip(self.replicas.urls, statuses, strict=True))
+
     def connected(self, statuses: list[Any], senders: int) -> bool:
-        """Every replica holds our group, formed with `senders` senders."""
-        return self.group is not None and self.senders == senders and all(
-            s.connected == self.connection_id for s in statuses)
+        """Our group, formed with `senders` senders and exactly the replicas
+        listed now, is held by every one of them. The members count: after a
+        replica leaves, the others still hold our group, whose ranks include
+        the leaver's, and a broadcast on it would wait for them."""
+        return self.group is not None and self.senders == senders \
+            and self.members == self.members_of(statuses) \
+            and all(s.connected == self.connection_id for s in statuses)
 
     def plan_connect(self, statuses: list[Any], senders: int) -> Rendezvous | None:
         """None where every replica holds our group with `senders` senders;
         else drop ours and draw a new connection: a fresh id and secret, the
         group's size and fan-out, the store (the first replica's). First push,
         a failed one (which drops the group on both sides), a replica that
-        restarted or joined, another number of senders: every replica
+        restarted, joined or left, another number of senders: every replica
         reconnects then, since a group's members are fixed when it forms."""
         if self.connected(statuses, senders):
             return None
         self.reset()
+        self.members = self.members_of(statuses)
         offsets = [senders]  # each replica's first worker rank, after the senders
         for s in statuses:
             offsets.append(offsets[-1] + s.data_plane_ranks)
