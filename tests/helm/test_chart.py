@@ -21,49 +21,26 @@ kubernetes_validate = pytest.importorskip(
 )
 from kubernetes_validate.utils import latest_version  # noqa: E402
 
+from tests.helm.manifests import (  # noqa: E402
+    SERVER,
+    containers,
+    env,
+    is_custom,
+    labels_match,
+    objects,
+    one,
+    pod_specs,
+    server_container,
+    validate_custom,
+)
+
 pytestmark = pytest.mark.helm
 
 # The oldest API the chart supports (Chart.yaml kubeVersion) and the newest the validator
 # ships: fields added later, or APIs removed since, both fail.
 KUBE_VERSIONS = ("1.30.0", latest_version())
 SHM_VOLUME = "rollout-sidecar-shm"
-SERVER = "rollout-sidecar"
 TOKEN_ENV = ("ROLLOUT_SIDECAR_API_TOKEN", "ROLLOUT_SIDECAR_ADMIN_TOKEN")
-
-
-# ---- lookups -------------------------------------------------------------------------------
-
-
-def objects(manifests: list[dict], kind: str) -> list[dict]:
-    return [m for m in manifests if m["kind"] == kind]
-
-
-def one(manifests: list[dict], kind: str) -> dict:
-    found = objects(manifests, kind)
-    assert len(found) == 1, f"expected one {kind}, got {[m['metadata']['name'] for m in found]}"
-    return found[0]
-
-
-def pod_specs(manifests: list[dict]) -> list[dict]:
-    return [m["spec"]["template"]["spec"] for m in manifests if m["kind"] in ("Deployment", "Job")]
-
-
-def containers(pod: dict) -> list[dict]:
-    return pod.get("initContainers", []) + pod["containers"]
-
-
-def server_container(manifests: list[dict]) -> dict:
-    (pod,) = pod_specs(manifests)
-    (server,) = [c for c in containers(pod) if c["name"] == SERVER]
-    return server
-
-
-def env(container: dict) -> dict[str, dict]:
-    return {e["name"]: e for e in container.get("env", [])}
-
-
-def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
 
 
 # ---- lint, schema validation ---------------------------------------------------------------
@@ -86,6 +63,8 @@ def test_ci_manifests_valid_kubernetes_objects(
     for manifest in manifests:
         if manifest["kind"] == "ServiceMonitor":
             check_service_monitor(manifest, manifests)
+        elif is_custom(manifest):
+            validate_custom(manifest, kube_version)
         else:
             kubernetes_validate.validate(manifest, kube_version, strict=True)
 

@@ -43,6 +43,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/component: server
 {{- end }}
 
+{{/* The pods that serve HTTP and host the data-plane store: every server pod, or with
+multiHost each group's leader (its workers have neither). */}}
+{{- define "rollout-sidecar.servingSelectorLabels" -}}
+{{ include "rollout-sidecar.serverSelectorLabels" . }}
+{{- if .Values.multiHost.enabled }}
+rollout-sidecar/host: leader
+{{- end }}
+{{- end }}
+
 {{/* Pods of the example Job (sidecar mode): trainer + server. */}}
 {{- define "rollout-sidecar.jobSelectorLabels" -}}
 {{ include "rollout-sidecar.selectorLabels" . }}
@@ -80,6 +89,15 @@ server binds it, and the policy's range rule would open it to every data-plane p
 {{- $port := int (index $.Values.server $key) }}
 {{- if and (ge $port (int $range.start)) (le $port (int $range.end)) }}
 {{- fail (printf "server.%s (%d) must lie outside dataPlane.portRange (%d-%d): the kernel hands out that range as ephemeral ports" $key $port (int $range.start) (int $range.end)) }}
+{{- end }}
+{{- end }}
+{{- if .Values.multiHost.enabled }}
+{{- $master := int .Values.multiHost.masterPort }}
+{{- if or (eq $master (int .Values.server.port)) (eq $master (int .Values.server.dataPlanePort)) }}
+{{- fail (printf "multiHost.masterPort (%d) must differ from server.port and server.dataPlanePort: the leader listens on all three" $master) }}
+{{- end }}
+{{- if and (ge $master (int $range.start)) (le $master (int $range.end)) }}
+{{- fail (printf "multiHost.masterPort (%d) must lie outside dataPlane.portRange (%d-%d): the kernel hands out that range as ephemeral ports" $master (int $range.start) (int $range.end)) }}
 {{- end }}
 {{- end }}
 {{- if .Values.dataPlane.setSysctl }}

@@ -17,11 +17,17 @@ Public named templates, each rendering YAML list items; call them with this char
 {{ include "rollout-sidecar.serverContainer" (dict "ctx" . "sidecar" true) }}
 {{- end }}
 
-{{/* Call with (dict "ctx" <chart scope> "sidecar" <bool>). */}}
+{{/*
+Call with (dict "ctx" <chart scope> "sidecar" <bool>), plus "host" "leader" or "worker" for a
+pod of a multi-host replica (leaderworkerset.yaml): the leader serves as node 0, a worker runs
+`serve --headless` (no HTTP, no tokens, no probes) with the same settings.
+*/}}
 {{- define "rollout-sidecar.serverContainer" -}}
 {{- $ctx := .ctx }}
 {{- $v := $ctx.Values }}
 {{- $s := $v.server }}
+{{- $host := default "" .host }}
+{{- $worker := eq $host "worker" }}
 {{- include "rollout-sidecar.validate" $ctx -}}
 - name: rollout-sidecar
   image: {{ include "rollout-sidecar.image" (list $s.image $ctx) | quote }}
@@ -32,6 +38,11 @@ Public named templates, each rendering YAML list items; call them with this char
   restartPolicy: Always
   {{- end }}
   command: ["rollout-sidecar", "serve"]
+  {{- if $host }}
+  args:
+    {{- include "rollout-sidecar.hostArgs" (dict "multiHost" $v.multiHost "host" $host) | nindent 4 }}
+  {{- end }}
+  {{- if not $worker }}
   ports:
     - name: http
       containerPort: {{ int $s.port }}
@@ -39,6 +50,7 @@ Public named templates, each rendering YAML list items; call them with this char
     - name: data-plane
       containerPort: {{ int $s.dataPlanePort }}
       protocol: TCP
+  {{- end }}
   env:
     # Probes reach the pod IP, so the server must not bind to loopback only.
     - name: ROLLOUT_SIDECAR_HOST
@@ -75,7 +87,18 @@ Public named templates, each rendering YAML list items; call them with this char
     - name: ROLLOUT_SIDECAR_KV_CACHE_GIB
       value: {{ $s.kvCacheGib | quote }}
     {{- end }}
-    {{- if and (not .sidecar) $s.catchUpFromPeers }}
+    {{- if $host }}
+    # vLLM's message queues and gloo groups name this host by its pod IP.
+    - name: VLLM_HOST_IP
+      valueFrom:
+        fieldRef:
+          fieldPath: status.podIP
+    {{- with $v.multiHost.socketIfname }}
+    - name: GLOO_SOCKET_IFNAME
+      value: {{ . | quote }}
+    {{- end }}
+    {{- end }}
+    {{- if and (not .sidecar) (not $worker) $s.catchUpFromPeers }}
     # A replica that (re)starts takes the version its peers serve before it reports ready
     # (docs/replicas.md, "Catching up from a peer"); the headless Service lists every pod.
     - name: ROLLOUT_SIDECAR_PEERS
@@ -85,7 +108,9 @@ Public named templates, each rendering YAML list items; call them with this char
       value: {{ $v.dataPlane.requireSecret | quote }}
     - name: ROLLOUT_SIDECAR_REQUIRE_BUCKET_MACS
       value: {{ $v.dataPlane.requireBucketMacs | quote }}
+    {{- if not $worker }}
     {{- include "rollout-sidecar.tokenEnv" $ctx | nindent 4 }}
+    {{- end }}
     {{- range $name, $value := $s.engineEnv }}
     - name: {{ $name }}
       value: {{ $value | toString | quote }}
@@ -95,6 +120,7 @@ Public named templates, each rendering YAML list items; call them with this char
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- if not $worker }}
   startupProbe:
     httpGet:
       path: /health
@@ -110,6 +136,7 @@ Public named templates, each rendering YAML list items; call them with this char
       path: /ready
       port: http
     {{- toYaml $s.probes.readiness | nindent 4 }}
+  {{- end }}
   volumeMounts:
     - name: rollout-sidecar-shm
       mountPath: /dev/shm
@@ -120,6 +147,33 @@ Public named templates, each rendering YAML list items; call them with this char
       mountPath: {{ $v.model.pvc.mountPath }}
       readOnly: true
     {{- end }}
+{{- end }}
+
+{{/*
+A multi-host pod's `serve` arguments (vLLM's flags): node 0 serves; a worker is
+`--headless` with its node rank from LWS's worker index. LeaderWorkerSet puts
+LWS_LEADER_ADDRESS (the leader pod's DNS name) and LWS_WORKER_INDEX first in every
+container's env, and Kubernetes expands $(VAR) in args from it. Call with
+(dict "multiHost" .Values.multiHost "host" "leader"|"worker").
+*/}}
+{{- define "rollout-sidecar.hostArgs" -}}
+{{- $m := .multiHost -}}
+{{- if eq .host "worker" -}}
+- --headless
+- --node-rank
+- $(LWS_WORKER_INDEX)
+- --head-gone-s
+- {{ $m.headGoneSeconds | toString | quote }}
+{{- else -}}
+- --node-rank
+- "0"
+{{- end }}
+- --nnodes
+- {{ int $m.nnodes | quote }}
+- --master-addr
+- $(LWS_LEADER_ADDRESS)
+- --master-port
+- {{ int $m.masterPort | quote }}
 {{- end }}
 
 {{/* ROLLOUT_SIDECAR_MODEL; empty for the embedded default model. */}}
