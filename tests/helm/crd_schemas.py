@@ -9,9 +9,12 @@ run offline.
   leaderworkerset.x-k8s.io/v1 LeaderWorkerSet: kubernetes-sigs/lws (Apache-2.0), commit
   060ab4da17eea1f0865fcbd3236bb1075e2cea32 (2026-08-21),
   config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml
+  ray.io/v1 RayCluster: ray-project/kuberay (Apache-2.0), commit
+  feeaf72facab4881ba2b179248bb67315634e229 (2026-08-19),
+  ray-operator/config/crd/bases/ray.io_rayclusters.yaml
 
-A newer CRD: `python -m tests.helm.crd_schemas CRD.yaml` writes its schema here, and the
-line above says which commit it came from.
+A newer CRD: `python -m tests.helm.crd_schemas CRD.yaml VERSION` writes that version's schema
+here, and the lines above say which commit it came from.
 
 `strict` adds what `kubectl apply --validate=strict` does: a field the schema does not name is
 an error, not silently pruned (a misspelt key would otherwise vanish on the server).
@@ -27,12 +30,13 @@ from typing import Any
 CRDS = Path(__file__).with_name("crds")
 
 
-def schema_file(group: str, version: str) -> Path:
-    return CRDS / f"{group}_{version}.schema.json"
+def schema_file(resource: str, version: str) -> Path:
+    """`resource`: the CRD's name, plural.group (`leaderworkersets.leaderworkerset.x-k8s.io`)."""
+    return CRDS / f"{resource}_{version}.schema.json"
 
 
-def load(group: str, version: str) -> dict[str, Any]:
-    return json.loads(schema_file(group, version).read_text())
+def load(resource: str, version: str) -> dict[str, Any]:
+    return json.loads(schema_file(resource, version).read_text())
 
 
 def strict(schema: Any) -> Any:
@@ -56,20 +60,20 @@ def _without_descriptions(schema: Any) -> Any:
     return schema
 
 
-def write_from_crd(crd_path: Path) -> list[Path]:
-    """Each served version's schema of the CRD at `crd_path`, into `crds/`."""
+def write_from_crd(crd_path: Path, wanted: str) -> Path:
+    """The schema of version `wanted` of the CRD at `crd_path`, into `crds/`."""
     import yaml
 
     crd = yaml.safe_load(crd_path.read_text())
-    written = []
     for version in crd["spec"]["versions"]:
-        path = schema_file(crd["spec"]["group"], version["name"])
+        if version["name"] != wanted:
+            continue
+        path = schema_file(crd["metadata"]["name"], version["name"])
         schema = _without_descriptions(version["schema"]["openAPIV3Schema"])
         path.write_text(json.dumps(schema, sort_keys=True, separators=(",", ":")) + "\n")
-        written.append(path)
-    return written
+        return path
+    raise SystemExit(f"{crd_path} has no version {wanted}")
 
 
 if __name__ == "__main__":
-    for written in write_from_crd(Path(sys.argv[1])):
-        print(written)
+    print(write_from_crd(Path(sys.argv[1]), sys.argv[2]))

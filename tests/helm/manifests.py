@@ -11,7 +11,11 @@ from tests.helm.crd_schemas import load, strict
 SERVER = "rollout-sidecar"
 # The custom resources the chart renders, by apiVersion and kind: their CRD's schema
 # (tests/helm/crds). ServiceMonitor is checked by fields instead (test_chart.py).
-CUSTOM = {("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkerset.x-k8s.io", "v1")}
+CUSTOM = {
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets.leaderworkerset.x-k8s.io",
+                                                         "v1"),
+    ("ray.io/v1", "RayCluster"): ("rayclusters.ray.io", "v1"),
+}
 LWS_TEMPLATES = ("leaderTemplate", "workerTemplate")
 
 
@@ -26,10 +30,14 @@ def one(manifests: list[dict], kind: str) -> dict:
 
 
 def pod_templates(manifests: list[dict]) -> list[dict]:
-    """Every pod template: a Deployment's or Job's, a LeaderWorkerSet's leader's and worker's."""
+    """Every pod template: a Deployment's or Job's, a LeaderWorkerSet's leader's and worker's,
+    a RayCluster's head's and each worker group's."""
     found = [m["spec"]["template"] for m in manifests if m["kind"] in ("Deployment", "Job")]
     for lws in objects(manifests, "LeaderWorkerSet"):
         found += [lws["spec"]["leaderWorkerTemplate"][t] for t in LWS_TEMPLATES]
+    for ray in objects(manifests, "RayCluster"):
+        found.append(ray["spec"]["headGroupSpec"]["template"])
+        found += [group["template"] for group in ray["spec"].get("workerGroupSpecs", [])]
     return found
 
 
