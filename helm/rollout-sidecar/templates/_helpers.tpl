@@ -107,6 +107,13 @@ server binds it, and the policy's range rule would open it to every data-plane p
 {{- end }}
 {{- end }}
 {{- end }}
+{{- $scale := .Values.autoscaling }}
+{{- if and $scale.enabled (gt (int $scale.minReplicas) (int $scale.maxReplicas)) }}
+{{- fail (printf "autoscaling.minReplicas (%d) must not exceed autoscaling.maxReplicas (%d)" (int $scale.minReplicas) (int $scale.maxReplicas)) }}
+{{- end }}
+{{- if ge (int .Values.preStopSleepSeconds) (int .Values.terminationGracePeriodSeconds) }}
+{{- fail (printf "preStopSleepSeconds (%d) must be below terminationGracePeriodSeconds (%d): the drain needs the rest" (int .Values.preStopSleepSeconds) (int .Values.terminationGracePeriodSeconds)) }}
+{{- end }}
 {{- if and .Values.auth.create .Values.auth.apiToken (eq .Values.auth.apiToken .Values.auth.adminToken) }}
 {{- fail "auth.adminToken must differ from auth.apiToken: the server refuses to start otherwise" }}
 {{- end }}

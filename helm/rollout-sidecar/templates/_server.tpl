@@ -120,6 +120,13 @@ pod of a multi-host replica (leaderworkerset.yaml): the leader serves as node 0,
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- if and (not .sidecar) (not $worker) (gt (int $v.preStopSleepSeconds) 0) }}
+  # Out of the Services' endpoints before SIGTERM starts the drain (preStopSleepSeconds).
+  lifecycle:
+    preStop:
+      sleep:
+        seconds: {{ int $v.preStopSleepSeconds }}
+  {{- end }}
   {{- if not $worker }}
   startupProbe:
     httpGet:
