@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.helm.manifests import parse_manifests
+
 REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "helm" / "rollout-sidecar"
 CI_VALUES = sorted((CHART_DIR / "ci").glob("*.yaml"))
@@ -29,19 +31,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for fixture, files in (("ci_file", CI_VALUES), ("bad_file", BAD_VALUES)):
         if fixture in metafunc.fixturenames:
             metafunc.parametrize(fixture, files, ids=[f.stem for f in files])
-
-
-def parse_manifests(rendered: dict[str, str]) -> list[Manifest]:
-    """Every Kubernetes object in Helm's {template path: text} output; NOTES.txt is not one."""
-    import yaml
-
-    return [
-        doc
-        for path, text in sorted(rendered.items())
-        if path.endswith((".yaml", ".yml"))
-        for doc in yaml.safe_load_all(text)
-        if doc
-    ]
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

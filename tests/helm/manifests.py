@@ -11,9 +11,9 @@ from tests.helm.crd_schemas import load, strict
 SERVER = "rollout-sidecar"
 # The custom resources the chart renders, by apiVersion and kind: their CRD's schema
 # (tests/helm/crds). ServiceMonitor is checked by fields instead (test_chart.py).
+LWS = "leaderworkersets.leaderworkerset.x-k8s.io"
 CUSTOM = {
-    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets.leaderworkerset.x-k8s.io",
-                                                         "v1"),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): (LWS, "v1"),
     ("ray.io/v1", "RayCluster"): ("rayclusters.ray.io", "v1"),
 }
 LWS_TEMPLATES = ("leaderTemplate", "workerTemplate")
@@ -121,14 +121,19 @@ def pod_process(container: dict, injected: dict[str, str], pod_ip: str,
     return argv, variables
 
 
+def parse_manifests(rendered: dict[str, str]) -> list[dict]:
+    """Every Kubernetes object in Helm's {template path: text} output; NOTES.txt is not one."""
+    import yaml
+
+    return [doc for path, text in sorted(rendered.items()) if path.endswith((".yaml", ".yml"))
+            for doc in yaml.safe_load_all(text) if doc]
+
+
 def render(values: dict[str, Any], release: str = "rs", namespace: str = "ml") -> list[dict]:
     """The chart's objects for `values`, as `helm template` renders them (offline; for tests
-    outside tests/helm, whose fixtures do the same)."""
+    outside tests/helm, whose fixtures render through the same `parse_manifests`)."""
     import helm_python
-    import yaml
 
     chart = Path(__file__).resolve().parents[2] / "helm" / "rollout-sidecar"
     with helm_python.Chart.load(chart) as loaded:
-        rendered = loaded.render(values, name=release, namespace=namespace)
-    return [doc for path, text in sorted(rendered.items()) if path.endswith((".yaml", ".yml"))
-            for doc in yaml.safe_load_all(text) if doc]
+        return parse_manifests(loaded.render(values, name=release, namespace=namespace))
