@@ -8,7 +8,21 @@ from typing import Any
 
 from tests.helm.crd_schemas import load, strict
 
+
+def _newest_kube() -> str:
+    """The newest Kubernetes API kubernetes-validate ships ("" without it: the chart tests
+    that need it skip themselves)."""
+    try:
+        from kubernetes_validate.utils import latest_version
+    except ImportError:
+        return ""
+    return latest_version()
+
+
 SERVER = "rollout-sidecar"
+# The oldest API the chart supports (Chart.yaml kubeVersion) and the newest the validator
+# ships: fields added later, or APIs removed since, both fail.
+KUBE_VERSIONS = ("1.30.0", _newest_kube())
 # The custom resources the chart renders, by apiVersion and kind: their CRD's schema
 # (tests/helm/crds). ServiceMonitor is checked by fields instead (test_chart.py).
 LWS = "leaderworkersets.leaderworkerset.x-k8s.io"

@@ -10,8 +10,13 @@ helm = pytest.importorskip(
     "helm_python", reason="helm-python-sdk (the Helm v4 SDK) is needed to render the chart"
 )
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
-from tests.helm.manifests import containers, objects, one, pod_templates  # noqa: E402
-from tests.helm.test_chart import KUBE_VERSIONS  # noqa: E402
+from tests.helm.manifests import (  # noqa: E402
+    KUBE_VERSIONS,
+    containers,
+    objects,
+    one,
+    pod_templates,
+)
 
 pytestmark = pytest.mark.helm
 

@@ -19,9 +19,9 @@ helm = pytest.importorskip(
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is needed to check rendered manifests"
 )
-from kubernetes_validate.utils import latest_version  # noqa: E402
 
 from tests.helm.manifests import (  # noqa: E402
+    KUBE_VERSIONS,
     SERVER,
     containers,
     env,
@@ -36,9 +36,6 @@ from tests.helm.manifests import (  # noqa: E402
 
 pytestmark = pytest.mark.helm
 
-# The oldest API the chart supports (Chart.yaml kubeVersion) and the newest the validator
-# ships: fields added later, or APIs removed since, both fail.
-KUBE_VERSIONS = ("1.30.0", latest_version())
 SHM_VOLUME = "rollout-sidecar-shm"
 TOKEN_ENV = ("ROLLOUT_SIDECAR_API_TOKEN", "ROLLOUT_SIDECAR_ADMIN_TOKEN")
 

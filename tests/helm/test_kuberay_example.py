@@ -13,6 +13,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 from tests.helm.manifests import (  # noqa: E402
+    KUBE_VERSIONS,
     containers,
     env,
     labels_match,
@@ -21,7 +22,6 @@ from tests.helm.manifests import (  # noqa: E402
     pod_templates,
     validate_custom,
 )
-from tests.helm.test_chart import KUBE_VERSIONS  # noqa: E402
 
 pytestmark = pytest.mark.helm
 

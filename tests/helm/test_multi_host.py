@@ -12,6 +12,7 @@ helm = pytest.importorskip(
 )
 pytest.importorskip("kubernetes_validate", reason="kubernetes-validate checks the pod templates")
 from tests.helm.manifests import (  # noqa: E402
+    KUBE_VERSIONS,
     SERVER,
     containers,
     env,
@@ -21,7 +22,6 @@ from tests.helm.manifests import (  # noqa: E402
     pod_process,
     validate_custom,
 )
-from tests.helm.test_chart import KUBE_VERSIONS  # noqa: E402
 
 pytestmark = pytest.mark.helm
 
