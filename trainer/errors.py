@@ -59,9 +59,11 @@ class ReplicaError(WeightPushError):
     (connected, then silent for the stall bound), "refused" (it answered no,
     with its reason) or "failed" (it answered that a load failed mid-way)."""
 
-    def __init__(self, url: str, phase: str, what: str, detail: str) -> None:
+    def __init__(self, url: str, phase: str, what: str, detail: str,
+                 status: int | None = None) -> None:
         super().__init__(f"{url}: {what} during {phase}: {detail}")
         self.url, self.phase, self.what, self.detail = url, phase, what, detail
+        self.status = status  # the HTTP status it answered with, if it answered
 
     @property
     def reason(self) -> str:

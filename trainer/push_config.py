@@ -20,6 +20,7 @@ from rollout_sidecar.trainer.probe import Forward
 
 Fanout = Literal["auto", "broadcast", "chain"]
 OnServerRestart = Literal["repush", "raise"]
+OnAbsentReplica = Literal["skip", "raise"]
 DeltaMode = Literal["auto", True, False]
 AdapterMode = Literal["auto", True, False]  # the same three answers, another question
 CopyLocation = Literal["host", "device"]
@@ -69,6 +70,13 @@ class PushConfig:
     """A replica restarted (new boot id) since the last push and serves its
     checkpoint again: "repush" (log it, push this version as usual,
     `PushResult.server_restarted`) or "raise" (`ServerRestartedError`)."""
+
+    on_absent_replica: OnAbsentReplica = "skip"
+    """A listed replica joining (not answering yet), away (refusing
+    connections after it answered: restarting, or gone) or leaving (draining)
+    at a push's start: "skip" (push to the
+    others; `PushResult.absent` names it, and it catches up from a peer) or
+    "raise" (fail the push naming it, for a fleet that must move as one)."""
 
     takeover: bool = False
     """Connect even while another trainer's connection is live."""
@@ -184,6 +192,7 @@ class PushConfig:
         _one_of("fanout", self.fanout, Fanout)
         _one_of("senders", self.senders, Literal["all", "one"])
         _one_of("on_server_restart", self.on_server_restart, OnServerRestart)
+        _one_of("on_absent_replica", self.on_absent_replica, OnAbsentReplica)
         _one_of("delta", self.delta, DeltaMode)
         _one_of("delta_copy", self.delta_copy, CopyLocation)
         _one_of("adapter", self.adapter, AdapterMode)

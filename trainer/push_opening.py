@@ -68,7 +68,8 @@ def open_push(source: nn.Module | NamedTensors, version: int, adapter: bool | No
     (a delta's base), if it keeps one."""
     named = isinstance(source, NamedTensors)
     merge = PeftMerge(source if not named else nn.Module())  # a PEFT model goes merged
-    restarted = serving.read(replicas, version, config.on_server_restart)
+    restarted = serving.read(replicas, version, config.on_server_restart,
+                             config.on_absent_replica)
     assert serving.index is not None
     draft_bufs = None  # checked before anything connects
     if draft is not None:

@@ -53,6 +53,9 @@ class PushResult:
     probe: ProbeResult | None = None
     commit_policy: str | None = None
     server_restarted: bool = False  # a server had restarted since the previous push
+    absent: dict[str, str] = field(default_factory=dict)
+    """Listed replicas this push went on without, and why (joining, away,
+    leaving: control/serving_state.py); `replicas` are those it reached."""
     replicas: list[ReplicaOutcome] = field(default_factory=list)
     encoding: Encoding = "dense"
     """"delta": only changes travelled (`nbytes` is what went on the wire);

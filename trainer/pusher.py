@@ -328,7 +328,7 @@ class WeightPusher(PushSends):
                                          self._serving.versions, tags)
             committed, outcomes = two_phase.commit(begun.push_ids, timeout_s)
         result = PushResult.committed(begun.buckets, prepared, committed, outcomes, restarted)
-        result.route = transport.route
+        result.route, result.absent = transport.route, dict(two_phase.replicas.absent)
         return result
 
     def close(self) -> None:

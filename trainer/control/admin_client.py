@@ -115,7 +115,7 @@ class WeightAdminClient:
             # A commit answered 5xx: the load failed (the server says how).
             what = "failed" if phase == "commit" and r.status_code >= 500 else "refused"
             raise ReplicaError(self.base_url, phase, what,
-                               f"{method} {path} -> HTTP {r.status_code}: {msg}")
+                               f"{method} {path} -> HTTP {r.status_code}: {msg}", r.status_code)
         return r.json()
 
     def status(self) -> WeightStatus:

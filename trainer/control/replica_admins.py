@@ -1,7 +1,9 @@
 """The servers one pusher feeds: every replica's admin client, called side by
 side, with each replica's answer or error kept apart.
 
-Every listed replica takes part in every push, and the replicas are called at
+Every listed replica that answers takes part in every push; one that is not
+there yet or is leaving sits a push out (`leave_out`, decided by
+serving_state.py), and the next push lists it again. The replicas are called at
 once (a thread each), so a push's control-plane round trips cost one
 replica's latency however many there are. `each` keeps every replica's answer
 or error apart, for the steps that must know which replica refused
@@ -32,18 +34,28 @@ class ReplicaAdmins:
         self.spec = urls
         self.token = token
         self.deadlines = deadlines or Deadlines()
-        self.admins: list[WeightAdminClient] = []
+        self.listed: list[WeightAdminClient] = []  # every replica the URLs name
+        self.admins: list[WeightAdminClient] = []  # those this push goes to
+        self.absent: dict[str, str] = {}  # listed, sitting this push out: url -> why
         self.refresh()
 
     def refresh(self) -> bool:
-        """Re-read the URL list (a `dns+` name may resolve to new pods); True
-        if it changed."""
+        """Re-read the URL list (a `dns+` name may resolve to new pods) and
+        take every listed replica into the push again; True if the list
+        changed."""
         urls = expand_urls(self.spec)
-        if urls == [a.base_url for a in self.admins]:
-            return False
-        self.close()
-        self.admins = [WeightAdminClient(u, self.token, self.deadlines) for u in urls]
-        return True
+        self.absent = {}
+        changed = urls != [a.base_url for a in self.listed]
+        if changed:
+            self.close()
+            self.listed = [WeightAdminClient(u, self.token, self.deadlines) for u in urls]
+        self.admins = list(self.listed)
+        return changed
+
+    def leave_out(self, absent: dict[str, str]) -> None:
+        """This push goes on without `absent` (url -> why: joining, leaving)."""
+        self.absent = dict(absent)
+        self.admins = [a for a in self.listed if a.base_url not in absent]
 
     @property
     def urls(self) -> list[str]:
@@ -80,7 +92,7 @@ class ReplicaAdmins:
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
-        for a in self.admins:
+        for a in self.listed:
             a.close()
 
 
