@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -16,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout_sidecar.server.app_state import Services, services
 from rollout_sidecar.server.config import ServerSettings
+from rollout_sidecar.server.drain import router as drain
 from rollout_sidecar.server.engine.lifecycle import GenerationEngine
 from rollout_sidecar.server.engine.version_gate import MinVersionTimeout
 from rollout_sidecar.server.errors import BadRequest, PushConflict, ServiceUnavailable
@@ -45,9 +47,29 @@ def _error(status: int, message: str, field: str | None = None, detail: list | N
                         status_code=status, headers=headers)
 
 
-def _ready_after_catch_up(app: FastAPI, engine: GenerationEngine) -> None:
-    services(app).ready = True
-    log.info("ready: weight_version=%d (after the catch-up from a peer)", engine.gate.version)
+CATCHING_UP = "catching up from a peer"
+
+
+def _after_catch_up(app: FastAPI, engine: GenerationEngine, held: str | None) -> None:
+    """Ready once the catch-up ended, unless it failed behind the fleet
+    (`held`, peer_copy.py): then once a push commits."""
+    state = services(app)
+    if held is None:
+        state.ready, state.serving_held = True, None
+        log.info("ready: weight_version=%d (after the catch-up from a peer)",
+                 engine.gate.version)
+        return
+    state.serving_held = state.not_ready_reason = held
+    log.warning("not ready: %s", held)
+
+    async def serve_after_push(published: int) -> None:
+        await engine.gate.wait_published(published)
+        state.ready, state.serving_held = True, None
+        log.info("ready: weight_version=%d (after a push)", engine.gate.version)
+
+    state.tasks.add(task := asyncio.get_running_loop().create_task(
+        serve_after_push(engine.gate.published)))
+    task.add_done_callback(state.tasks.discard)
 
 
 def create_app(settings: ServerSettings, model_path: Path | None = None,
@@ -85,18 +107,21 @@ def create_app(settings: ServerSettings, model_path: Path | None = None,
                 state.ready = True
                 log.info("ready: weight_version=%d", engine.gate.version)
             else:
-                state.not_ready_reason = "catching up from a peer"
-                catching_up.add_done_callback(lambda _: _ready_after_catch_up(app, engine))
+                state.not_ready_reason = state.serving_held = CATCHING_UP
+                catching_up.add_done_callback(lambda _: _after_catch_up(
+                    app, engine, weights.peer_copy.held))
             try:
                 yield
             finally:
                 state.ready = False
+                for task in state.tasks:
+                    task.cancel()
                 await weights.stop()
 
     app = FastAPI(title="rollout-sidecar", version="0.1.0", lifespan=lifespan)
     app.state.services = Services(settings, app_metrics, PeerAnswerer(
         settings.admin_token.get_secret_value() if settings.admin_token else None), boot_id)
-    for module in (generate, openai_api, skyrl_api, health, metrics, weights):
+    for module in (generate, openai_api, skyrl_api, health, drain, metrics, weights):
         app.include_router(module.router)
     install_openapi(app)
 

@@ -48,6 +48,14 @@ class Services:
     ready: bool = False
     not_ready_reason: str = "model loading"
     draining: bool = False
+    # Why generation is refused though the engine serves (the front door's
+    # 503): catching up from a peer, or a catch-up that failed while a peer
+    # served a newer version, until a push commits (weights/peer_copy.py).
+    serving_held: str | None = None
+    tasks: set[asyncio.Task] = field(default_factory=set)  # held until they end
+    # When the front door last passed an admin call (time.monotonic()): a
+    # drain waits for a quiet second (drain/router.py).
+    last_push_call: float = 0.0
 
     def started_engine(self) -> GenerationEngine:
         if self.engine is None:

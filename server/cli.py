@@ -69,6 +69,20 @@ def serve(overrides: dict[str, Any]) -> None:
 app.command(name="serve")(with_settings_flags(serve))
 
 
+@app.command("drain")
+def drain(url: str = typer.Option("http://127.0.0.1:8000", help="The server to drain."),
+          timeout_s: float | None = typer.Option(
+              None, help="How long the server waits for its work in flight (default: its "
+              "drain_timeout_s)."),
+          min_s: float = typer.Option(0.0, help="Return no sooner than this (a Service's "
+                                      "endpoints dropping the pod).")) -> None:
+    """A replica's leave, before SIGTERM (a Kubernetes preStop): no new work, what it
+    holds finished, a push begun run to its end. Token: $ROLLOUT_SIDECAR_ADMIN_TOKEN."""
+    from rollout_sidecar.server.drain.command import drain_replica
+
+    drain_replica(url, timeout_s, min_s)
+
+
 @model_app.command("init")
 def model_init(out: Path = typer.Argument(..., help="Directory to write the checkpoint to.")
                ) -> None:

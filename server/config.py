@@ -163,9 +163,10 @@ class ServerSettings(EngineSettings, BaseSettings):
         "ready, through the same check and commit as a push (docs/replicas.md); they share "
         "this server's admin token.")
     catch_up_timeout_s: float = Field(
-        600.0, gt=0, description="Longest a catch-up from a peer may take; after it this "
-        "replica reports ready on the weights it has, and the trainer's next push brings it "
-        "up to date.")
+        600.0, gt=0, description="Longest a catch-up from a peer may take. One that fails "
+        "while a peer serves a newer version leaves this replica not ready, refusing "
+        "generation, until a push commits on it; one that finds nothing newer serves the "
+        "checkpoint.")
     connection_lease_s: float = Field(
         30.0, ge=0, description="A trainer's data-plane connection is its own for this long "
         "after its last push call, or for the trainer's own stall bound if that is shorter; "

@@ -1,5 +1,6 @@
-"""Every request passes here before the app reads a byte of its body: drain,
-find the route, authenticate, bound the body; then measure it. Plain ASGI
+"""Every request passes here before the app reads a byte of its body: find
+the route, refuse new work while draining or catching up, authenticate, bound
+the body; then measure it. Plain ASGI
 middleware.
 
 Why here and not in FastAPI's dependencies: FastAPI reads and parses a body
@@ -31,8 +32,14 @@ from rollout_sidecar.server.auth import Access, authorize, route_access
 if TYPE_CHECKING:
     from rollout_sidecar.server.app_state import Services
 
-# Probes and scrapes keep answering while draining; everything else gets 503.
-ALWAYS_OPEN = {r.path for r in (routes.HEALTH, routes.READY, routes.METRICS)}
+# Draining (SIGTERM, or POST /drain: drain/router.py), a replica takes no new
+# work: generation and the peers' and trainers' status reads (a trainer's next
+# push starts there, and goes on without it) get 503. A push already begun
+# (the other admin routes), probes and scrapes go on.
+CLOSED_WHILE_DRAINING = {Access.API, Access.PEER}
+# Catching up from a peer (weights/peer_copy.py), a replica serves no
+# generation: what it holds is older than the fleet's version.
+CLOSED_WHILE_CATCHING_UP = {Access.API}
 # Routes that bound their own body (the bucket route: its manifest entry's
 # size, weights/router.py). Open routes take a small one at most (probes
 # send none; the peer challenge, a nonce): no credential buys a large read.
@@ -78,10 +85,14 @@ class FrontDoor:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
-        if self.state.draining and path not in ALWAYS_OPEN:
-            return await _answer(send, 503, "server is shutting down", {"retry-after": "5"})
         route = route_of(self.routes, scope)
+        access, limit = self._rules_of(route) if route is not None else (None, None)
+        state = self.state
+        if state.draining and (access is None or access in CLOSED_WHILE_DRAINING):
+            return await _answer(send, 503, "server is shutting down", {"retry-after": "5"})
+        if state.serving_held is not None and access in CLOSED_WHILE_CATCHING_UP:
+            return await _answer(send, 503, f"not serving yet: {state.serving_held}",
+                                 {"retry-after": "1"})
         label = getattr(route, "path", "other") if route is not None else "other"
         metrics = self.state.metrics
         status = {"code": 500}
@@ -93,14 +104,14 @@ class FrontDoor:
 
         t0 = time.perf_counter()
         try:
-            limit: int | None = None
-            if route is not None:  # a 404 or 405 reads no body
-                access, limit = self._rules_of(route)
+            if access is not None:  # a 404 or 405 reads no body
                 refused = self._refusal(access, limit, scope)
                 if refused is not None:
                     status["code"] = refused.status_code
                     return await _answer(send, refused.status_code, str(refused.detail),
                                          refused.headers)
+                if access is Access.ADMIN:
+                    state.last_push_call = time.monotonic()
             await self.app(scope, receive if limit is None else _bounded(receive, limit),
                            send_and_note)
         finally:  # counted even when the app raised (Starlette answers 500)

@@ -97,7 +97,7 @@ def test_the_server_cli_gets_the_demo_from_an_entry_point_without_importing_it()
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout.strip()
     # Only the commands' light modules (typer), never the launcher or the loop.
-    assert out == ("['demo', 'doctor', 'serve'] "
+    assert out == ("['demo', 'doctor', 'drain', 'serve'] "
                    "['rollout_sidecar.demo.cli', 'rollout_sidecar.demo.doctor']"), out
 
 

@@ -29,6 +29,8 @@ from rollout_sidecar.protocol.schema.generate_api import (
 )
 from rollout_sidecar.protocol.schema.manifest_api import BucketManifest, PatchInfo, TensorSlot
 from rollout_sidecar.protocol.schema.status_api import (
+    DrainRequest,
+    DrainResponse,
     StagedCopy,
     TensorInfo,
     WeightIndex,
@@ -71,6 +73,7 @@ __all__ = [
     "DisconnectRequest", "DisconnectResponse", "ErrorItem", "ErrorResponse", "FinishReason",
     "GenerateRequest", "GenerateResponse", "HealthResponse", "InfoResponse", "LastPush",
     "LoraStatus", "PatchInfo", "PrepareRequest", "PrepareResponse", "ProbeRequest",
-    "ProbeResult", "PromptResult", "Sample", "SamplingConfig", "StagedCopy", "TensorInfo",
+    "DrainRequest", "DrainResponse", "ProbeResult", "PromptResult", "Sample",
+    "SamplingConfig", "StagedCopy", "TensorInfo",
     "TensorSlot", "Transport", "Usage", "VersionSpan", "WeightIndex", "WeightStatus",
 ]

@@ -91,6 +91,8 @@ COMMIT = Route("POST", "/weights/commit", Access.ADMIN, w.CommitRequest, w.Commi
 ABORT = Route("POST", "/weights/abort", Access.ADMIN, w.AbortRequest, w.LastPush)
 STAGED = Route("GET", "/weights/staged", Access.PEER, response=st.StagedCopy)
 STAGED_BUCKET = Route("GET", "/weights/staged/{index}", Access.PEER)  # the bucket's bytes
+# A replica's leave (a Kubernetes preStop: `rollout-sidecar drain`).
+DRAIN = Route("POST", "/drain", Access.ADMIN, st.DrainRequest, st.DrainResponse)
 
 # SkyRL's RemoteInferenceClient (server/skyrl_api): control calls take the
 # generate token, its delta weight sync the admin token.

@@ -1,7 +1,7 @@
 """Wire types of what a server says of its weights (pydantic only): what a
 push must carry (`GET /weights/index`), where it stands
-(`GET /weights/status`), and the staged copy a replica catching up reads
-(`GET /weights/staged`)."""
+(`GET /weights/status`), the staged copy a replica catching up reads
+(`GET /weights/staged`), and a replica's leave (`POST /drain`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from rollout_sidecar.protocol.schema.adapter_api import LoraStatus
 from rollout_sidecar.protocol.schema.drafter_api import DrafterStatus
-from rollout_sidecar.protocol.schema.fields import ReplyModel
+from rollout_sidecar.protocol.schema.fields import ReplyModel, StrictModel
 from rollout_sidecar.protocol.schema.manifest_api import BucketManifest
 from rollout_sidecar.protocol.schema.weights_api import LastPush, ProbeResult
 
@@ -88,7 +88,9 @@ class WeightStatus(ReplyModel):
     catch_up: dict[str, float | int | str | dict[str, str]] | None = Field(
         None, description="This replica's catch-up from a peer at start (--peers): the peer, "
         "the version, seconds from the catch-up's start to finding it, receiving it and "
-        "committing it, or why it did not happen; `refused`: each peer that could not prove "
+        "committing it, or why it did not happen; `fleet_version`: the newest version a proven "
+        "peer served; `held`: why generation stays refused (a catch-up that failed behind "
+        "the fleet) until a push commits; `refused`: each peer that could not prove "
         "it holds the admin token, and why. Null without peers.")
     drafter: DrafterStatus | None = Field(
         None, description="The speculative drafter (`serve --speculative-config`), or null.")
@@ -105,3 +107,22 @@ class StagedCopy(BaseModel):
 
     version: int
     buckets: list[BucketManifest]
+
+
+class DrainRequest(StrictModel):
+    """`POST /drain`: stop taking work and wait until none is left."""
+
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="How long to wait for the work in flight (default: "
+        "the server's drain_timeout_s).")
+
+
+class DrainResponse(ReplyModel):
+    """What a drain waited for, and whether anything is left."""
+
+    drained: bool = Field(description="Nothing in flight: no request, no push, and no push "
+                          "call for a second.")
+    waited_s: float
+    requests_in_flight: int
+    push_in_flight: str | None = Field(default=None, description="The push still running, "
+                                       "if the wait ran out.")

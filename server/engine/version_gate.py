@@ -85,6 +85,7 @@ class VersionGate:
         self.history: list[int] = [version]
         self.modes: dict[int, str] = {}  # version -> pause mode of the commit that made it
         self.broken: str | None = None
+        self.published = 0  # commits published since start (a catch-up's too)
         # version -> why its post-push probe failed; tagged on every response
         # that any of these versions produced.
         self.suspect: dict[int, str] = {}
@@ -203,7 +204,13 @@ class VersionGate:
             for v in [v for v in self.suspect if v not in self.history]:
                 del self.suspect[v]
             self.broken = None  # a committed push is a known state again
+            self.published += 1
             self._cond.notify_all()
+
+    async def wait_published(self, count: int) -> None:
+        """Return once more than `count` commits were published."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.published > count)
 
     def versions_between(self, start: int, end: int) -> list[int]:
         """Versions that produced tokens of a request admitted under `start`

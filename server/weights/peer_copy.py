@@ -8,7 +8,9 @@ version and manifest, `GET /weights/staged/{index}` one bucket's bytes with
 their CRC-32, read by worker rank 0 under the push lock, so no push can write
 into a bucket while it is read; a push that begins between two reads makes
 the next one refuse, and one that ended in between shows as another version:
-either way the catch-up fails whole and nothing of it loads.
+either way the catch-up fails whole and nothing of it loads. A peer in the
+middle of a push is waited for and read again, while the catch-up's bound
+lasts.
 
 The new replica's side (`catch_up`, started once it serves, before it
 reports ready): every peer (`--peers`: URLs or a `dns+` name) first proves
@@ -20,9 +22,12 @@ HTTP push: begin, each bucket streamed up to its manifest size, its tag and
 CRC checked, staged, commit (all or nothing, the version the peer serves).
 Meanwhile a request with `min_weight_version` waits at the gate and a
 trainer's connect or begin waits for the catch-up (both bounded), so a push
-is ordered after it. A catch-up that fails leaves the replica on what it
-serves, ready, and the trainer's next push (dense, as after any restart)
-brings it up.
+is ordered after it; generation is refused (front_door.py) until it ends.
+A catch-up that fails while a proven peer serves a newer version keeps
+generation refused and the replica not ready, saying why (`held`), until a
+push commits: the trainer's next push (dense, as after any restart) brings it
+up. One that finds no newer version anywhere (the fleet's first start) serves
+its checkpoint.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HTTP_TIMEOUT_S = 60.0  # one status or bucket; the whole catch-up has its own bound
+PUSH_WAIT_S = 0.2  # a peer mid-push: read its status again this often
 
 
 class PeerCopy:
@@ -62,6 +68,9 @@ class PeerCopy:
         self.done = asyncio.Event()  # set once no catch-up is running or pending
         self.done.set()
         self.timeline: dict[str, float | int | str] = {}
+        # Why this replica must not serve yet, after a catch-up that failed
+        # behind the fleet (module docstring); None: it may serve.
+        self.held: str | None = None
 
     @property
     def running(self) -> bool:
@@ -106,10 +115,17 @@ class PeerCopy:
         s = self.service.settings
         try:
             await asyncio.wait_for(self._catch_up(t0), s.catch_up_timeout_s)
-        except Exception as e:  # the replica serves what it has; the trainer brings it up
-            self.timeline["error"] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # the trainer's next push brings it up
+            self.timeline["error"] = error = \
+                f"not done within --catch-up-timeout-s ({s.catch_up_timeout_s:g}s)" \
+                if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
             log.warning("catch-up from a peer failed after %.1fs: %s", time.monotonic() - t0,
-                        self.timeline["error"])
+                        error)
+            fleet = self.timeline.get("fleet_version")
+            if isinstance(fleet, int) and fleet > self.service.engine.gate.version:
+                self.held = self.timeline["held"] = (
+                    f"the catch-up failed ({error}) while a peer serves version {fleet}: "
+                    "this replica serves once a push commits")
         finally:
             self.timeline["done_s"] = round(time.monotonic() - t0, 3)
             self.done.set()
@@ -122,14 +138,18 @@ class PeerCopy:
             raise PeerRefused("no admin token: nothing to prove a peer holds it with")
         limit = svc.settings.max_request_bytes
         async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S, verify=shared_tls()) as http:
-            found = await asyncio.gather(*(self._status(http, u, token, limit) for u in peers))
+            found = await self._statuses(http, peers, token, limit, t0)
             own = svc.engine.gate.version
             usable = [(st, session) for st, session in found
                       if st is not None and session is not None and st.boot_id != svc.boot_id
                       and st.broken is None and st.delta_base == st.weight_version
                       and st.weight_version > own]
             if not usable:
-                self.timeline["outcome"] = "no peer serves a newer version from a staged copy"
+                fleet = self.timeline.get("fleet_version")
+                if isinstance(fleet, int) and fleet > own:
+                    raise RuntimeError(f"a peer serves version {fleet}, none from a staged copy "
+                                       "this replica can read")
+                self.timeline["outcome"] = "no peer serves a newer version"
                 log.info("catch-up: %s (own version %d)", self.timeline["outcome"], own)
                 return
             status, session = max(usable, key=lambda x: x[0].weight_version)
@@ -141,6 +161,26 @@ class PeerCopy:
             self.timeline.update(peer=session.url, version=copy.version,
                                  found_s=round(time.monotonic() - t0, 3))
             await self._push_from(http, session, copy, t0)
+
+    async def _statuses(self, http: httpx.AsyncClient, peers: list[str], token: str,
+                        limit: int, t0: float) -> list[tuple[WeightStatus | None,
+                                                             PeerSession | None]]:
+        """Every proven peer's status (`_status`), read again while a peer
+        is mid-push (its staged copy is being replaced) and the catch-up's
+        bound allows; the newest version a proven peer serves is kept as
+        `fleet_version`."""
+        bound = self.service.settings.catch_up_timeout_s
+        while True:
+            found = await asyncio.gather(*(self._status(http, u, token, limit) for u in peers))
+            seen = [st for st, _ in found if st is not None and st.boot_id != self.service.boot_id]
+            if seen:
+                fleet = max(st.weight_version for st in seen)
+                self.timeline["fleet_version"] = max(
+                    fleet, int(self.timeline.get("fleet_version", -1)))
+            if not any(st.push_in_progress for st in seen) or \
+                    time.monotonic() - t0 > bound / 2:
+                return found
+            await asyncio.sleep(PUSH_WAIT_S)
 
     async def _status(self, http: httpx.AsyncClient, url: str, token: str, limit: int
                       ) -> tuple[WeightStatus | None, PeerSession | None]:

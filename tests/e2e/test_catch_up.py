@@ -9,7 +9,10 @@ the fp32 floor; then a push to all three commits everywhere. A fourth
 replica's catch-up is held with every bucket staged (the `catch_up.hold`
 failpoint) while a trainer pushes to all four: the push waits for it on that
 replica, the replica commits the fleet's version first, then the push's,
-and serves it bit for bit like the others. A replica with nothing staged
+and serves it bit for bit like the others; generation is refused there
+until then. A fifth replica whose catch-up fails while its peers serve
+version 7 stays not ready, saying why, until a push commits on it. A
+replica with nothing staged
 refuses to be read, naming why. A stub listed first among the peers, which
 claims version 10^12 and answers the challenge without the token, is
 refused by name and never sees the admin token."""
@@ -150,18 +153,11 @@ def push_during_a_catch_up(tmp_path, servers, model) -> None:
     release = tmp_path / "release-d"
     points = tmp_path / "failpoints-d"
     points.write_text(f"catch_up.hold:{release}")
-    d = launch_server(
-        log=tmp_path / "peer-d.log", dtype="float32", max_model_len=512, wait=False,
-        api_token=a.api_token, admin_token=a.admin_token, ready_timeout_s=300,
-        env={"ROLLOUT_SIDECAR_CACHE_DIR": str(cache_dir(tmp_path)), **TEST_ENV,
-             "ROLLOUT_SIDECAR_PEERS": ",".join(s.url for s in servers)}, failpoints=points)
+    d = late_replica(tmp_path, "peer-d", servers, points)
     outcome: dict = {}
     try:
         def timeline() -> dict:
-            assert d.proc.poll() is None, f"d exited: {d.log.read_text()[-3000:]}"
-            with contextlib.suppress(httpx.HTTPError):
-                return status(d).get("catch_up") or {}
-            return {}
+            return catch_up_of(d)
 
         until(lambda: "received_s" in timeline(), "d staged every bucket of its catch-up", 300)
         assert timeline()["version"] == 6, timeline()
@@ -181,6 +177,7 @@ def push_during_a_catch_up(tmp_path, servers, model) -> None:
               "the push waits for d's catch-up", 120)
         assert "error" not in outcome, outcome
         assert status(d)["weight_version"] == 0  # still held: nothing of it served yet
+        refused_while_catching_up(d)
         release.touch()
         pushing.join(180)
         assert not pushing.is_alive() and "error" not in outcome, outcome
@@ -192,6 +189,73 @@ def push_during_a_catch_up(tmp_path, servers, model) -> None:
         assert torch.equal(served, prompt_logprobs(a))
         assert (served - reference_logprobs(model)).abs().mean().item() < EXACT
         print(f"push during a catch-up: d's timeline {caught}")
+        servers.append(d)
+        held_after_a_failed_catch_up(tmp_path, servers, model)
     finally:
         release.touch()
         d.stop()
+
+
+def late_replica(tmp_path, name: str, servers, points, env: dict | None = None):
+    """A replica started with `--peers` at `servers` and the failpoints in
+    `points`, not waited for (its catch-up is held)."""
+    a = servers[0]
+    return launch_server(
+        log=tmp_path / f"{name}.log", dtype="float32", max_model_len=512, wait=False,
+        api_token=a.api_token, admin_token=a.admin_token, ready_timeout_s=300,
+        env={"ROLLOUT_SIDECAR_CACHE_DIR": str(cache_dir(tmp_path)), **TEST_ENV, **(env or {}),
+             "ROLLOUT_SIDECAR_PEERS": ",".join(s.url for s in servers)}, failpoints=points)
+
+
+def catch_up_of(server) -> dict:
+    """Its `catch_up` timeline so far ({} while its HTTP is not up)."""
+    assert server.proc.poll() is None, f"exited: {server.log.read_text()[-3000:]}"
+    with contextlib.suppress(httpx.HTTPError):
+        return status(server).get("catch_up") or {}
+    return {}
+
+
+def refused_while_catching_up(server) -> str:
+    """Generation is refused (503, Retry-After, the reason), and /ready too."""
+    r = httpx.post(server.url + "/generate", json={"prompts": ["x"]}, timeout=30,
+                   headers={"Authorization": f"Bearer {server.api_token}"})
+    assert r.status_code == 503 and "retry-after" in r.headers, r.text
+    assert r.json()["error"].startswith("not serving yet: "), r.text
+    assert httpx.get(server.url + "/ready", timeout=30).status_code == 503
+    return r.json()["error"]
+
+
+def held_after_a_failed_catch_up(tmp_path, servers, model) -> None:
+    """Replica e's catch-up never ends (held, never released) and times out
+    while its peers serve version 7: e stays not ready and refuses
+    generation, saying why in its status, until a push commits on it; then
+    it serves the push bit for bit like the others."""
+    from rollout_sidecar.trainer import WeightPusher
+
+    a = servers[0]
+    points = tmp_path / "failpoints-e"
+    points.write_text(f"catch_up.hold:{tmp_path / 'never'}")
+    e = late_replica(tmp_path, "peer-e", servers, points,
+                     {"ROLLOUT_SIDECAR_CATCH_UP_TIMEOUT_S": "5"})
+    try:
+        def timeline() -> dict:
+            return catch_up_of(e)
+
+        until(lambda: "held" in timeline(), "e's catch-up failed behind the fleet", 300)
+        held = timeline()
+        assert held["fleet_version"] == 7 and "--catch-up-timeout-s (5s)" in held["error"], held
+        assert status(e)["weight_version"] == 0
+        assert "the catch-up failed" in refused_while_catching_up(e)
+        step(model, seed=8)
+        with WeightPusher([s.url for s in servers] + [e.url], admin_token=a.admin_token,
+                          bucket_mb=1) as pusher:
+            result = pusher.push(model, version=8)
+        assert result.version == 8 and len(result.replicas) == 5 and not result.absent
+        until(lambda: httpx.get(e.url + "/ready", timeout=30).status_code == 200,
+              "e ready after the push", 30)
+        served = prompt_logprobs(e)
+        assert torch.equal(served, prompt_logprobs(a))
+        assert (served - reference_logprobs(model)).abs().mean().item() < EXACT
+        print(f"a failed catch-up, held until a push: e's timeline {held}")
+    finally:
+        e.stop()

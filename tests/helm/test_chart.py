@@ -529,7 +529,8 @@ def test_one_container_definition_for_both_modes(render) -> None:
     # A sidecar has no peers to catch up from: one server per trainer pod.
     deployed["env"] = [e for e in deployed["env"] if e["name"] != "ROLLOUT_SIDECAR_PEERS"]
     # Nor Services to leave before it drains: it stops when its trainer does.
-    assert deployed.pop("lifecycle") == {"preStop": {"sleep": {"seconds": 5}}}
+    assert deployed.pop("lifecycle")["preStop"]["exec"]["command"][:2] == [
+        "rollout-sidecar", "drain"]
     assert sidecar == deployed
 
 

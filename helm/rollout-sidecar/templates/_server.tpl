@@ -120,12 +120,16 @@ pod of a multi-host replica (leaderworkerset.yaml): the leader serves as node 0,
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- if and (not .sidecar) (not $worker) (gt (int $v.preStopSleepSeconds) 0) }}
-  # Out of the Services' endpoints before SIGTERM starts the drain (preStopSleepSeconds).
+  {{- if and (not .sidecar) (not $worker) }}
+  # A leave (docs/replicas.md): no new work, what it holds finished, a push begun run
+  # to its end (POST /drain), and at least preStopSleepSeconds for the Services'
+  # endpoints to drop the pod; then SIGTERM finds nothing left to cut.
   lifecycle:
     preStop:
-      sleep:
-        seconds: {{ int $v.preStopSleepSeconds }}
+      exec:
+        command: ["rollout-sidecar", "drain", "--url", "http://127.0.0.1:{{ int $s.port }}",
+                  "--min-s", "{{ int $v.preStopSleepSeconds }}",
+                  "--timeout-s", "{{ max 1 (sub (int $v.terminationGracePeriodSeconds) 10) }}"]
   {{- end }}
   {{- if not $worker }}
   startupProbe:
