@@ -114,8 +114,9 @@ class EngineSettings(BaseModel):
     head_gone_s: float = Field(
         60.0, gt=0, description="With --headless: how long node 0 may not answer before this "
         "host's workers stop (exit 0), so that a supervisor restarts them against the next "
-        "node 0. Long enough to ride out a network blip; a node 0 that restarted serves "
-        "with a new engine, which these workers are not part of.")
+        "node 0. Long enough to ride out a network blip and a node 0 restart: a node 0 "
+        "that answers again as a new engine (its store no longer holds this host's key) "
+        "gets fresh workers from this host, which rejoins it (engine/headless.py).")
     distributed_executor_backend: Literal["mp", "ray"] | None = Field(
         None, description="vLLM's executor: mp (processes, one host or, with nnodes, "
         "several) or ray (a Ray cluster's actors, across hosts; extra `ray`). Unset: vLLM's "
