@@ -71,9 +71,9 @@ app.command(name="serve")(with_settings_flags(serve))
 
 @app.command("drain")
 def drain(url: str = typer.Option("http://127.0.0.1:8000", help="The server to drain."),
-          timeout_s: float | None = typer.Option(
-              None, help="How long the server waits for its work in flight (default: its "
-              "drain_timeout_s)."),
+          timeout_s: float = typer.Option(
+              60.0, help="How long the server waits for its work in flight (the chart: "
+              "terminationGracePeriodSeconds - 10)."),
           min_s: float = typer.Option(0.0, help="Return no sooner than this (a Service's "
                                       "endpoints dropping the pod).")) -> None:
     """A replica's leave, before SIGTERM (a Kubernetes preStop): no new work, what it

@@ -88,11 +88,6 @@ class FrontDoor:
         route = route_of(self.routes, scope)
         access, limit = self._rules_of(route) if route is not None else (None, None)
         state = self.state
-        if state.draining and (access is None or access in CLOSED_WHILE_DRAINING):
-            return await _answer(send, 503, "server is shutting down", {"retry-after": "5"})
-        if state.serving_held is not None and access in CLOSED_WHILE_CATCHING_UP:
-            return await _answer(send, 503, f"not serving yet: {state.serving_held}",
-                                 {"retry-after": "1"})
         label = getattr(route, "path", "other") if route is not None else "other"
         metrics = self.state.metrics
         status = {"code": 500}
@@ -112,11 +107,25 @@ class FrontDoor:
                                          refused.headers)
                 if access is Access.ADMIN:
                     state.last_push_call = time.monotonic()
+            closed = self._closed(access)  # after the credential: a 401 stays a 401
+            if closed is not None:
+                status["code"] = 503
+                return await _answer(send, 503, *closed)
             await self.app(scope, receive if limit is None else _bounded(receive, limit),
                            send_and_note)
         finally:  # counted even when the app raised (Starlette answers 500)
             metrics.latency.labels(label).observe(time.perf_counter() - t0)
             metrics.requests.labels(label, str(status["code"])).inc()
+
+    def _closed(self, access: Access | None) -> tuple[str, dict[str, str]] | None:
+        """Why this request is refused as new work, and its Retry-After: the
+        replica drains, or it does not serve yet (module constants)."""
+        state = self.state
+        if state.draining and (access is None or access in CLOSED_WHILE_DRAINING):
+            return "server is shutting down", {"retry-after": "5"}
+        if state.serving_held is not None and access in CLOSED_WHILE_CATCHING_UP:
+            return f"not serving yet: {state.serving_held}", {"retry-after": "1"}
+        return None
 
     def _rules_of(self, route: BaseRoute) -> tuple[Access, int | None]:
         rules = self._rules.get(id(route))

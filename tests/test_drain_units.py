@@ -99,7 +99,8 @@ def test_a_drain_answers_once_no_request_push_or_push_call_is_left():
     async def run() -> tuple[dict, float, list[str]]:
         async with client(app) as c:
             admin = {"Authorization": f"Bearer {ADMIN}"}
-            answer = asyncio.create_task(c.post("/drain", json={}, headers=admin))
+            answer = asyncio.create_task(c.post("/drain", json={"timeout_s": 60},
+                                                headers=admin))
             seen = []
             await asyncio.sleep(0.3)
             seen.append("waiting" if not answer.done() else "answered")
@@ -132,11 +133,27 @@ def test_a_drain_that_runs_out_says_what_is_left():
     assert body["drained"] is False and body["push_in_flight"] == "p9"
 
 
-def test_a_drain_needs_the_admin_token():
+def test_a_drain_needs_the_admin_token_and_its_timeout():
+    """The API token is refused before the body is read; an empty body (a
+    probe, a fuzzer, a route-access test) drains nothing: a drain cannot be
+    undone."""
     app, state, _ = app_and_state()
+
+    async def run() -> tuple[int, int]:
+        async with client(app) as c:
+            api = await c.post("/drain", json={"timeout_s": 1},
+                               headers={"Authorization": f"Bearer {API}"})
+            empty = await c.post("/drain", json={},
+                                 headers={"Authorization": f"Bearer {ADMIN}"})
+            return api.status_code, empty.status_code
+    assert asyncio.run(run()) == (401, 422) and not state.draining
+
+
+def test_a_wrong_credential_gets_its_401_while_draining():
+    app, state, _ = app_and_state()
+    state.draining = True
 
     async def run() -> int:
         async with client(app) as c:
-            return (await c.post("/drain", json={},
-                                 headers={"Authorization": f"Bearer {API}"})).status_code
-    assert asyncio.run(run()) == 401 and not state.draining
+            return (await c.get("/info", headers={"Authorization": "Bearer nope"})).status_code
+    assert asyncio.run(run()) == 401

@@ -112,9 +112,9 @@ class StagedCopy(BaseModel):
 class DrainRequest(StrictModel):
     """`POST /drain`: stop taking work and wait until none is left."""
 
-    timeout_s: float | None = Field(
-        default=None, gt=0, description="How long to wait for the work in flight (default: "
-        "the server's drain_timeout_s).")
+    timeout_s: float = Field(
+        gt=0, description="How long to wait for the work in flight. Required, so that a "
+        "call with an empty body drains nothing: a drain cannot be undone.")
 
 
 class DrainResponse(ReplyModel):

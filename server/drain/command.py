@@ -24,7 +24,7 @@ from rollout_sidecar.protocol.schema.endpoints import auth_headers
 ANSWER_MARGIN_S = 30.0  # beyond the server's own wait, for its answer to come
 
 
-def drain_replica(url: str, timeout_s: float | None, min_s: float) -> DrainResponse | None:
+def drain_replica(url: str, timeout_s: float, min_s: float) -> DrainResponse | None:
     """Drain the server at `url` (token: $ROLLOUT_SIDECAR_ADMIN_TOKEN); its
     answer, or None if it did not give one."""
     t0 = time.monotonic()
@@ -33,7 +33,7 @@ def drain_replica(url: str, timeout_s: float | None, min_s: float) -> DrainRespo
         r = httpx.post(url.rstrip("/") + routes.DRAIN.path,
                        json=routes.DRAIN.body(DrainRequest(timeout_s=timeout_s)),
                        headers=auth_headers(os.environ.get("ROLLOUT_SIDECAR_ADMIN_TOKEN")),
-                       timeout=(timeout_s or 600.0) + ANSWER_MARGIN_S, verify=shared_tls())
+                       timeout=timeout_s + ANSWER_MARGIN_S, verify=shared_tls())
         if r.is_success:
             answer = DrainResponse.model_validate(r.json())
             typer.echo(f"drain: {answer.model_dump_json()}")

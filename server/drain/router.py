@@ -38,7 +38,7 @@ async def drain(req: DrainRequest, request: Request) -> DrainResponse:
     if not state.draining:
         log.info("drain: this replica takes no new work and finishes what it holds")
     state.draining = True
-    timeout_s = req.timeout_s if req.timeout_s is not None else state.settings.drain_timeout_s
+    timeout_s = req.timeout_s
     t0 = time.monotonic()
     busy_at = t0  # the last moment work was in flight or a push call came
     while True:

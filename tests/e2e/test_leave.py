@@ -54,15 +54,6 @@ def test_a_leave_lets_a_begun_push_and_a_request_finish_then_exits(leaving, tmp_
     def draining() -> bool:
         return httpx.get(server.url + "/ready", timeout=10).status_code == 503
 
-    # The drain starts between the push's data and its commit: the commit and
-    # the probe after it must still pass.
-    real_commit = WeightAdminClient.commit
-
-    def commit_after_the_drain_began(self, *args, **kw):
-        start_drain()
-        until(draining, "the server drains", 60)
-        return real_commit(self, *args, **kw)
-
     result: dict = {}
 
     def long_request() -> None:
@@ -74,12 +65,21 @@ def test_a_leave_lets_a_begun_push_and_a_request_finish_then_exits(leaving, tmp_
     weights = VersionedWeights(model_of(server))
     requester = threading.Thread(target=long_request)
     with WeightPusher(server.url, admin_token=server.admin_token, bucket_mb=1) as pusher:
+        # The drain starts between the push's data and its commit: the commit and
+        # the probe after it must still pass. (This pusher's admin client only.)
+        assert pusher.replicas is not None
+        admin: WeightAdminClient = pusher.replicas.listed[0]
+        real_commit = admin.commit
+
+        def commit_after_the_drain_began(*args, **kw):
+            start_drain()
+            until(draining, "the server drains", 60)
+            return real_commit(*args, **kw)
+
         requester.start()
-        WeightAdminClient.commit = commit_after_the_drain_began  # type: ignore[method-assign]
-        try:
-            pushed = pusher.push(weights.load(1), version=1)
-        finally:
-            WeightAdminClient.commit = real_commit  # type: ignore[method-assign]
+        admin.commit = commit_after_the_drain_began  # type: ignore[method-assign]
+        pushed = pusher.push(weights.load(1), version=1)
+        admin.commit = real_commit  # type: ignore[method-assign]
         assert pushed.version == 1 and pushed.probe is not None and pushed.probe.passed, pushed
         # New work is refused, each with its reason; a trainer's next push skips it.
         r = httpx.post(server.url + "/generate", headers=api, json={"prompts": ["x"]},
