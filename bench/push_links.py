@@ -151,6 +151,8 @@ def main() -> None:
     # model in the default 256 MiB buckets (a bucket is the unit shared out).
     ap.add_argument("--bucket-mb", type=float, default=8)
     ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--replicas", default="1,2")
+    ap.add_argument("--ways", default="one,all,own", help="of one, all (gathered), own")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rollout-sidecar-bench"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--urls", help=argparse.SUPPRESS)
@@ -183,8 +185,8 @@ def main() -> None:
         urls = [s.url for s in servers]
         print(f"{args.size}; each node uploads at {args.link}; {load()}", flush=True)
         for ranks in rank_counts:
-            for replicas in (1, 2):
-                for way in ("one", "all", "own"):
+            for replicas in (int(n) for n in args.replicas.split(",")):
+                for way in args.ways.split(","):
                     version += 1000
                     per_rank, replica_tx = run_config(ips, urls[:replicas], ranks, way,
                                                       version, env, args)

@@ -28,7 +28,7 @@ from rollout_sidecar.trainer.gather.full_tensors import param_plan
 from rollout_sidecar.trainer.gather.named_tensors import NamedLayout, NamedTensors
 from rollout_sidecar.trainer.gather.own_rows import rank_pieces, why_not
 from rollout_sidecar.trainer.gather.peft_merge import PeftMerge
-from rollout_sidecar.trainer.pack.bucket_senders import assign_senders
+from rollout_sidecar.trainer.pack.bucket_senders import assign_senders, share_bytes
 from rollout_sidecar.trainer.pack.buckets import plan_buckets
 from rollout_sidecar.trainer.pack.rank_buckets import plan_rank_buckets
 from rollout_sidecar.trainer.push_config import PushConfig
@@ -102,5 +102,9 @@ def lay_out(model: nn.Module | NamedTensors, plan: PushPlan, draft: nn.Module | 
     buckets = plan_buckets(params, serving.serve_dtype, config.bucket_bytes,
                            serving.wire_dtypes, config.split_tensors)
     if senders > 1:
+        size = share_bytes(sum(b.nbytes for b in buckets), senders, config.bucket_bytes)
+        if size < config.bucket_bytes:  # small enough to share out (bucket_senders.py)
+            buckets = plan_buckets(params, serving.serve_dtype, size, serving.wire_dtypes,
+                                   config.split_tensors)
         buckets = assign_senders(buckets, senders)
     return Layout(buckets, senders, why, False, rows_why)

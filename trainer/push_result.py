@@ -65,8 +65,8 @@ class PushResult:
     delta_base: int | None = None  # the version a delta was applied to
     delta_reason: str | None = None  # why a push with delta on went dense
     changed: int | None = None  # a delta: changed elements sent as patches (not dense ones)
-    senders: int = 1  # trainer ranks that sent this push's buckets
-    senders_reason: str | None = None  # why one, where every rank was asked to send
+    senders: int = 1  # trainer ranks that sent bytes of this push (a bucket or more each)
+    senders_reason: str | None = None  # why fewer than every rank, where each was asked to send
     route: str = "broadcast"  # how the buckets reached the replicas (Transport.route)
     own_rows: bool = False  # every rank sent its own FSDP2 rows, no gather (own_rows.py)
     own_rows_reason: str | None = None  # why they were gathered, where several ranks sent

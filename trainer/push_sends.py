@@ -52,6 +52,15 @@ class Begun(NamedTuple):
     own_rows: bool = False  # each rank sends its own FSDP2 rows (gather/own_rows.py)
     own_rows_reason: str | None = None  # why not, where several ranks send
 
+    def sending(self) -> tuple[int, str | None]:
+        """The ranks that sent bytes of this push, and why fewer than asked:
+        with several senders, those given at least one bucket."""
+        if self.senders == 1:
+            return 1, self.senders_reason
+        given = len({b.sender for b in self.buckets})
+        return given, None if given == self.senders else \
+            f"{len(self.buckets)} bucket(s) for {self.senders} sending ranks"
+
 
 class PushSends:
     """`WeightPusher`'s sending steps (a base class: they read its parts)."""

@@ -227,7 +227,7 @@ class WeightPusher(PushSends):
         self._adapter.committed(plan.adapter, result.version)
         result.encoding, result.delta_base = plan.encoding, plan.delta_base
         result.adapter_reason = opening.adapter_reason
-        result.senders, result.senders_reason = begun.senders, begun.senders_reason
+        result.senders, result.senders_reason = begun.sending()
         result.own_rows, result.own_rows_reason = begun.own_rows, begun.own_rows_reason
         if named is not None:
             result.held_bytes = self._named.held_bytes
