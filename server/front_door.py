@@ -1,6 +1,6 @@
 """Every request passes here before the app reads a byte of its body: find
-the route, refuse new work while draining or catching up, authenticate, bound
-the body; then measure it. Plain ASGI
+the route, authenticate, bound the body, refuse new work while draining or
+catching up; then measure it. Plain ASGI
 middleware.
 
 Why here and not in FastAPI's dependencies: FastAPI reads and parses a body

@@ -38,7 +38,6 @@ async def drain(req: DrainRequest, request: Request) -> DrainResponse:
     if not state.draining:
         log.info("drain: this replica takes no new work and finishes what it holds")
     state.draining = True
-    timeout_s = req.timeout_s
     t0 = time.monotonic()
     busy_at = t0  # the last moment work was in flight or a push call came
     while True:
@@ -49,9 +48,9 @@ async def drain(req: DrainRequest, request: Request) -> DrainResponse:
         busy_at = max(busy_at, state.last_push_call)
         if now - busy_at >= QUIET_S:
             break
-        if now - t0 >= timeout_s:
+        if now - t0 >= req.timeout_s:
             log.warning("drain: %.0fs passed with %d requests and push %s in flight",
-                        timeout_s, requests, push)
+                        req.timeout_s, requests, push)
             return DrainResponse(drained=False, waited_s=round(now - t0, 3),
                                  requests_in_flight=requests, push_in_flight=push)
         await asyncio.sleep(POLL_S)

@@ -87,13 +87,17 @@ class ReplicaAdmins:
         errors = [(u, r) for u, r in zip(self.urls, results, strict=True)
                   if isinstance(r, Exception)]
         if errors:
-            raise WeightPushError(f"{what} failed on {len(errors)} of {len(results)} "
-                                  "replicas: " + named(errors))
+            raise failed_on(what, errors, len(results))
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
         for a in self.listed:
             a.close()
+
+
+def failed_on(what: str, errors: Sequence[tuple[str, Exception]], of: int) -> WeightPushError:
+    """The error of a step that failed on `errors`' replicas, of `of`."""
+    return WeightPushError(f"{what} failed on {len(errors)} of {of} replicas: " + named(errors))
 
 
 def named(errors: Sequence[tuple[str, Exception]]) -> str:

@@ -30,7 +30,7 @@ import torch
 
 from rollout_sidecar.protocol.data_plane.wire_format import torch_dtype
 from rollout_sidecar.protocol.schema import WeightIndex, WeightStatus
-from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins, named
+from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins, failed_on
 from rollout_sidecar.trainer.errors import ReplicaError, ServerRestartedError, WeightPushError
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,7 @@ class ServingState:
                 else:
                     absent[url] = why
         if errors:
-            raise WeightPushError(f"status failed on {len(errors)} of {len(results)} "
-                                  "replicas: " + named(errors))
+            raise failed_on("status", errors, len(results))
         if len(absent) == len(results):
             raise WeightPushError("no replica can take this push: " + "; ".join(
                 f"{u}: {why}" for u, why in absent.items()))
