@@ -25,9 +25,8 @@ def _run(rank: int, world: int, port: int, fanout: str, nbytes: int, bucket: int
         relay_buckets,
         send_bucket,
     )
-    from rollout_sidecar.protocol.data_plane.ring_route import (
-        route,
-    )
+    from rollout_sidecar.protocol.data_plane.landing import InPlace
+    from rollout_sidecar.protocol.data_plane.ring_route import route
 
     torch.set_num_threads(1)
     if rank:
@@ -54,8 +53,8 @@ def _run(rank: int, world: int, port: int, fanout: str, nbytes: int, bucket: int
             for _ in range(n):
                 receive_broadcast_bucket(group, bufs[0])
         else:
-            relay_buckets(group, [(bufs[0], *route(k, rank, 0, 1, world, None))
-                                  for k in range(n)])
+            relay_buckets(group, [route(k, rank, 0, 1, world, None) for k in range(n)],
+                          InPlace([bufs[0]] * n))
         group.barrier().wait()  # every receiver has everything
         times.append(time.perf_counter() - t0)
     if rank == 0:

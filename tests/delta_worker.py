@@ -50,9 +50,8 @@ def stage(buckets: list, sent: dict[int, bytes]):
 
     staging = Staging()
     staging.allocate(buckets, torch.device("cpu"))
-    for b in staging.buckets:
-        b.buffer.copy_(torch.frombuffer(bytearray(sent[b.index]), dtype=torch.uint8))
-        b.received = True
+    for k, b in enumerate(staging.buckets):
+        staging.stage(k, torch.frombuffer(bytearray(sent[b.index]), dtype=torch.uint8), "crc32")
     return staging
 
 

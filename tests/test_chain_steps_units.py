@@ -16,6 +16,7 @@ from rollout_sidecar.protocol.data_plane.bucket_group import (
     send_bucket,
 )
 from rollout_sidecar.protocol.data_plane.chain_steps import chain_steps, relay_steps
+from rollout_sidecar.protocol.data_plane.landing import InPlace
 from tests.gloo_threads import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -71,8 +72,9 @@ def test_two_senders_reach_every_relay_bit_for_bit(slots: bool) -> None:
         mine = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
         seen[rank] = []
         relay_steps(_WithSlots(group) if slots else group,
-                    list(zip(mine, sources, strict=True)), rank, world, senders,
-                    on_piece=lambda k, p: seen[rank].append((k, p.numel())))
+                    list(zip(sizes, sources, strict=True)),
+                    InPlace(mine, lambda k, p: seen[rank].append((k, p.numel()))), rank, world,
+                    senders, on_host=True)
         got[rank] = mine
 
     run_ranks(world, f"steps-{slots}", body)

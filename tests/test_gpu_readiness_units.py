@@ -258,6 +258,7 @@ def test_the_nccl_data_plane_is_our_communicator_not_a_process_group_nccl(monkey
 def test_gpu_defaults_leave_a_push_its_memory():
     from rollout_sidecar.server.engine.platform_defaults import (
         PUSH_SCRATCH_BYTES,
+        RECEIVE_BYTES,
         gpu_utilization,
     )
 
@@ -265,24 +266,12 @@ def test_gpu_defaults_leave_a_push_its_memory():
     h200 = 141 * gib
     assert gpu_utilization(16 * gib, h200, device_staging=False) == round(
         0.9 - PUSH_SCRATCH_BYTES / h200, 3)
-    # device staging: a full copy of the model per GPU comes out of vLLM's share
+    # device staging: a full copy of the model per GPU comes out of vLLM's share, and the
+    # buffers a bucket with a chunk lands in (two buckets); no split tensor is copied at a load
     assert gpu_utilization(16 * gib, h200, device_staging=True) == round(
-        0.9 - (PUSH_SCRATCH_BYTES + 16 * gib) / h200, 3)
+        0.9 - (PUSH_SCRATCH_BYTES + 16 * gib + RECEIVE_BYTES) / h200, 3)
+    assert RECEIVE_BYTES == gib // 2
     assert gpu_utilization(140 * gib, 80 * gib, device_staging=True) == 0.1  # floored
-    # device staging also keeps the split tensors, reassembled on the GPU, until the load ends
-    assert gpu_utilization(16 * gib, h200, True, split=2 * gib) == round(
-        0.9 - (PUSH_SCRATCH_BYTES + 18 * gib) / h200, 3)
-    assert gpu_utilization(16 * gib, h200, False, split=2 * gib) == gpu_utilization(
-        16 * gib, h200, False)
-
-
-def test_split_bytes_are_the_tensors_larger_than_a_bucket():
-    from rollout_sidecar.server.engine.platform_defaults import DEFAULT_BUCKET_BYTES, split_bytes
-
-    # Llama-3-8B in bf16: embedding and lm_head (128256 x 4096) split; a 117 MB MLP weight does not
-    embed = 128256 * 4096 * 2
-    assert split_bytes([embed, embed, 4096 * 14336 * 2, 4096 * 2]) == 2 * embed
-    assert split_bytes([DEFAULT_BUCKET_BYTES]) == 0  # exactly a bucket fits
 
 
 def test_cpu_defaults_stay_eager_and_reserve_what_they_did():

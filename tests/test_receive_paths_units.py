@@ -4,6 +4,7 @@ gloo, HTTP, split buckets; test_tensor_parallel.py: two workers)."""
 
 from __future__ import annotations
 
+import zlib
 from types import SimpleNamespace
 
 import pytest
@@ -11,27 +12,28 @@ import torch
 
 from rollout_sidecar.server.weights.worker.group_membership import GroupMembership
 from rollout_sidecar.server.weights.worker.receive_paths import HOST, GroupReceive, HttpStage
-from rollout_sidecar.server.weights.worker.staging import StagedBucket
+from rollout_sidecar.server.weights.worker.staging import StagedBucket, Staging
 
 
-def _buckets(*sizes: int) -> list[StagedBucket]:
-    return [StagedBucket(i, n, [], torch.zeros(n, dtype=torch.uint8), checksum=7)
-            for i, n in enumerate(sizes)]
+def _staging(*sizes: int) -> Staging:
+    return Staging([StagedBucket(i, n, [], torch.zeros(n, dtype=torch.uint8), checksum=7)
+                    for i, n in enumerate(sizes)])
 
 
 def test_http_stage_copies_a_bucket_in_and_refuses_what_does_not_fit():
-    buckets = _buckets(4, 2)
-    HttpStage.stage(buckets, 1, b"\x01\x02")
+    staging = _staging(4, 2)
+    buckets = staging.buckets
+    HttpStage.stage(staging, 1, b"\x01\x02", "crc32", None)
     assert buckets[1].received and buckets[1].buffer.tolist() == [1, 2]
-    assert buckets[1].checksum is None  # recomputed at the check, over these bytes
+    assert buckets[1].checksum == zlib.crc32(b"\x01\x02")  # over these bytes, as they land
     assert not buckets[0].received
     for bucket, data, message in [(2, b"ab", "not in the manifest"),
                                   (0, b"abc", "3 bytes, expected 4"),
                                   (None, b"ab", "needs bucket and data")]:
         with pytest.raises(ValueError, match=message):
-            HttpStage.stage(buckets, bucket, data)
+            HttpStage.stage(staging, bucket, data, "crc32", None)
     http = HttpStage(GroupMembership(), torch.device("cpu"))  # needs no group
-    assert http.staging_device(small=False) == HOST and http.start(buckets) is None
+    assert http.staging_device(small=False) == HOST and http.start(staging) is None
 
 
 def test_a_group_receive_needs_a_group_and_stages_full_pushes_where_nccl_says():

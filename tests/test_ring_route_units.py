@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rollout_sidecar.protocol.data_plane.bucket_group import relay_buckets, send_bucket
+from rollout_sidecar.protocol.data_plane.landing import InPlace
 from rollout_sidecar.protocol.data_plane.ring_route import check_starts, entry, route
 from tests.gloo_threads import run_ranks
 
@@ -89,9 +90,8 @@ def test_a_ring_reaches_every_receiver_bit_for_bit_and_splits_the_relaying() -> 
             return
         mine = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
         relay_buckets(_Counting(group, sent[rank]),
-                      [(m, *route(k, rank, s, senders, world, starts))
-                       for k, (m, s) in enumerate(zip(mine, sources, strict=True))],
-                      window=senders)
+                      [route(k, rank, s, senders, world, starts) for k, s in enumerate(sources)],
+                      InPlace(mine), window=senders)
         got[rank] = mine
 
     run_ranks(world, "ring", body)

@@ -216,8 +216,10 @@ class Drawn:
             yield n, t
 
 
-def push_and_stage(model: dict[str, torch.Tensor], bucket: int) -> tuple[Staging, list,
-                                                                            BucketSender, list]:
+def push_and_stage(model: dict[str, torch.Tensor], bucket: int
+                   ) -> tuple[Staging, list, BucketSender, dict[int, bytes]]:
+    """Pushed by the trainer's sender, staged by the server's staging: and
+    the bytes each bucket carried."""
     buckets = plan_buckets(plan_of(model), WIRE, bucket)
     req = begin(manifest(buckets))
     check_manifest(req, index_of(model), "bfloat16")
@@ -227,12 +229,12 @@ def push_and_stage(model: dict[str, torch.Tensor], bucket: int) -> tuple[Staging
     assert drawn.draws == list(model)  # each tensor drawn once, split or not
     staging = Staging()
     staging.allocate(req.buckets, torch.device("cpu"))  # as the server
-    for b in staging.buckets:
-        b.buffer.copy_(torch.frombuffer(bytearray(wire.sent[b.index]), dtype=torch.uint8))
-        b.received = True
+    for k, b in enumerate(staging.buckets):
+        staging.stage(k, torch.frombuffer(bytearray(wire.sent[b.index]), dtype=torch.uint8),
+                      "crc32")
     staging.check(checksums)
     assert checksums == [zlib.crc32(wire.sent[i]) for i in range(len(buckets))]
-    return staging, buckets, sender, drawn.draws
+    return staging, buckets, sender, wire.sent
 
 
 @pytest.mark.parametrize("bucket", [ALIGN, 1000, BUCKET, 1 << 20])
@@ -250,12 +252,29 @@ def test_round_trip_is_bit_identical(bucket):
     assert all(b.numel() == max(b.nbytes for b in buckets) <= bucket for b in sender._buffers)
 
 
-def test_unsplit_tensors_are_views_and_split_ones_are_copies():
-    staging, _, _, _ = push_and_stage(random_model(), BUCKET)
-    ranges = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in staging.buckets]
+def test_every_tensor_is_a_view_of_the_staged_copy_and_the_load_copies_nothing():
+    staging, _, _, sent = push_and_stage(random_model(), BUCKET)
+    kept = [b for b in staging.buckets if not b.scattered]
+    ranges = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in kept]
+    # A bucket holding a chunk is not kept: its slots went to their places on arrival.
+    assert all(b.buffer.numel() == 0 for b in staging.buckets if b.scattered)
+    assert all(b.scattered == any(p.chunk_offset is not None for p in b.params)
+               for b in staging.buckets)
+    assert "exact" in {p.name for b in kept for p in b.params}  # one whole bucket: kept
+    first = dict(staging.tensors())
     for name, t in staging.tensors():
+        assert t.data_ptr() == first[name].data_ptr(), name  # the same memory at every load
         inside = any(lo <= t.data_ptr() < hi for lo, hi in ranges)
-        assert inside == (name in {"small.0", "exact", "small.1"}), name
+        place = staging.places.buffers.get(name)
+        assert inside == (place is None), name
+        if place is not None:
+            assert t.data_ptr() == place.data_ptr() and t.untyped_storage().nbytes() == \
+                place.numel(), name
+    # What a peer reads of any bucket is the trainer's bytes (alignment aside).
+    for k, b in enumerate(staging.buckets):
+        for p in b.params:
+            got = staging.bucket_bytes(k)[p.offset: p.offset + p.length]
+            assert bytes(got.numpy()) == sent[b.index][p.offset: p.offset + p.length], p.name
 
 
 def test_nan_in_a_later_chunk_is_refused_and_every_tensor_still_drawn():

@@ -32,13 +32,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rollout_sidecar.protocol.data_plane import nccl_group
+from rollout_sidecar.protocol.data_plane.landing import Landing
 from rollout_sidecar.protocol.data_plane.signed_store import (
     SignedStore,
     delete_connection_keys,
@@ -182,36 +183,40 @@ def receive_broadcast_bucket(group: DataPlaneGroup, buf: Any) -> None:
     group.broadcast(buf).wait()
 
 
-def relay_buckets(group: DataPlaneGroup, buckets: Sequence[tuple[Any, int, int | None]],
-                  window: int = 1, on_piece: Callable[[int, Any], None] | None = None) -> None:
-    """A receiver in a chain: fill each `(buffer, source rank, next rank)`
-    in order, piece by piece, passing each piece on to its next rank (None:
-    this rank is the bucket's last: ring_route.py) as it lands; blocks until
-    every bucket is here and forwarded. Up to `window` buckets' pieces are
-    posted at once: with several senders (each bucket from the one its
-    manifest names) they all transmit side by side instead of taking turns.
-    gloo matches a pair's messages in the order they were posted, so the next
-    rank, which posts in the same order, gets each piece where it belongs.
-    `on_piece(k, piece)` sees bucket k's pieces in order, while later ones
-    arrive."""
+def relay_buckets(group: DataPlaneGroup, routes: Sequence[tuple[int, int | None]],
+                  landing: Landing, window: int = 1) -> None:
+    """A receiver in a chain: fill bucket k (`routes[k]`: its source rank,
+    its next rank) where `landing` says, piece by piece, passing each piece
+    on to its next rank (None: this rank is the bucket's last: ring_route.py)
+    as it lands; blocks until every bucket is here and forwarded. Up to
+    `window` buckets' pieces are posted at once: with several senders (each
+    bucket from the one its manifest names) they all transmit side by side
+    instead of taking turns. gloo matches a pair's messages in the order they
+    were posted, so the next rank, which posts in the same order, gets each
+    piece where it belongs. `landing` sees bucket k's pieces in order, while
+    later ones arrive, and hears when its last piece went on (landing.py)."""
     posted: deque[list[tuple[Any, _Works]]] = deque()
-    forwarding: list[_Works] = []  # the previous bucket's sends on to its next rank
+    forwarding: tuple[int, list[_Works]] | None = None  # the previous bucket's sends on
     following = 0  # the next bucket to post
-    for k in range(len(buckets)):
-        while following < len(buckets) and following < k + max(window, 1):
-            buf, source, _ = buckets[following]
+    for k in range(len(routes)):
+        while following < len(routes) and following < k + max(window, 1):
+            buf, (source, _) = landing.buffer(following), routes[following]
             posted.append([(p, group.recv(p, source)) for p in _pieces(buf)])
             following += 1
-        to = buckets[k][2]
+        to = routes[k][1]
         sends = []
         for piece, arriving in posted.popleft():
             arriving.wait()
             if to is not None:
                 sends.append(group.send(piece, to))
-            if on_piece is not None:
-                on_piece(k, piece)
-        for w in forwarding:  # long done: the next rank took it while this one arrived
+            landing.piece(k, piece)
+        _passed_on(landing, forwarding)  # long done: the next rank took it meanwhile
+        forwarding = (k, sends)
+    _passed_on(landing, forwarding)
+
+
+def _passed_on(landing: Landing, forwarding: tuple[int, list[_Works]] | None) -> None:
+    if forwarding is not None:
+        for w in forwarding[1]:
             w.wait()
-        forwarding = sends
-    for w in forwarding:
-        w.wait()
+        landing.passed_on(forwarding[0])

@@ -26,13 +26,14 @@ reused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rollout_sidecar.protocol.data_plane.bucket_group import CHAIN_CHUNK_BYTES
+from rollout_sidecar.protocol.data_plane.landing import Landing
 
 
 @dataclass(frozen=True)
@@ -61,44 +62,54 @@ def chain_steps(buckets: Sequence[tuple[int, int]]) -> list[list[Piece]]:
     return [[q[t] for q in queues.values() if t < len(q)] for t in range(longest)]
 
 
-def relay_steps(group: Any, buffers: Sequence[tuple[torch.Tensor, int]], rank: int,
-                world_size: int, first_receiver: int,
-                on_piece: Callable[[int, torch.Tensor], None] | None = None) -> None:
-    """A receiver in a chain: fill each `(buffer, sender)` (manifest order),
-    forwarding every piece to the next rank; blocks until all are here and
-    passed on. The first receiver takes each piece from its sender, the
-    others from the rank before. A host buffer lands through device slots on
-    `group.device` (module docstring). `on_piece(k, piece)` sees bucket k's
-    pieces in order, where they finally are."""
-    steps = chain_steps([(b.numel(), s) for b, s in buffers])
+def relay_steps(group: Any, buckets: Sequence[tuple[int, int]], landing: Landing, rank: int,
+                world_size: int, first_receiver: int, on_host: bool = False) -> None:
+    """A receiver in a chain: fill each bucket (`(nbytes, sender)`, manifest
+    order) where `landing` says, forwarding every piece to the next rank;
+    blocks until all are here and passed on. The first receiver takes each
+    piece from its sender, the others from the rank before. `on_host`
+    buffers land through device slots on `group.device` (module docstring).
+    `landing` sees bucket k's pieces in order, where they finally are, and
+    hears when its last piece went on (landing.py)."""
+    steps = chain_steps(buckets)
     forward = rank + 1 < world_size
     senders = max((len(s) for s in steps), default=0)
     device = getattr(group, "device", None)
-    through_slots = any(b.is_cpu for b, _ in buffers) and device is not None
+    through_slots = on_host and device is not None
     slots = [[torch.empty(CHAIN_CHUNK_BYTES, dtype=torch.uint8, device=device)
               for _ in range(senders)] for _ in range(2)] if through_slots else None
+    lent: dict[int, torch.Tensor] = {}
+
+    def place(p: Piece) -> torch.Tensor:
+        if p.start == 0:  # its first piece: where the bucket lands
+            lent[p.bucket] = landing.buffer(p.bucket)
+        return lent[p.bucket][p.start: p.stop]
+
+    def gone(pieces: list[Piece]) -> None:  # forwarded: a bucket's last piece frees it
+        for p in pieces:
+            if p.stop == buckets[p.bucket][0]:
+                del lent[p.bucket]
+                landing.passed_on(p.bucket)
+
     leaving: list[torch.Tensor] = []  # the previous step's pieces, on the wire's side
+    left: list[Piece] = []
     for t, step in enumerate(steps):
-        landing = [_wire_view(buffers, p, slots, t, i) for i, p in enumerate(step)]
+        dests = [place(p) for p in step]
+        arriving = dests if slots is None else [slots[t % 2][i][: p.nbytes]
+                                                for i, p in enumerate(step)]
         recvs = [(v, p.source if rank == first_receiver else rank - 1)
-                 for v, p in zip(landing, step, strict=True)]
+                 for v, p in zip(arriving, step, strict=True)]
         sends = [(v, rank + 1) for v in leaving] if forward else []
         group.exchange(sends, recvs).wait()
-        for v, p in zip(landing, step, strict=True):
-            dest = buffers[p.bucket][0][p.start: p.stop]
+        gone(left)
+        for v, dest, p in zip(arriving, dests, step, strict=True):
             if slots is not None:
                 dest.copy_(v)  # to its host place, before the slot comes round again
-            if on_piece is not None:
-                on_piece(p.bucket, dest)
-        leaving = landing
+            landing.piece(p.bucket, dest)
+        leaving, left = arriving, step
+        if not forward:
+            gone(left)
+            left = []
     if forward and leaving:
         group.exchange([(v, rank + 1) for v in leaving], []).wait()
-
-
-def _wire_view(buffers: Sequence[tuple[torch.Tensor, int]], p: Piece,
-               slots: list[list[torch.Tensor]] | None, t: int, i: int) -> torch.Tensor:
-    """Where piece `p` arrives: its place in the buffer, or slot `i` of step
-    `t`'s set."""
-    if slots is None:
-        return buffers[p.bucket][0][p.start: p.stop]
-    return slots[t % 2][i][: p.nbytes]
+    gone(left)

@@ -25,7 +25,6 @@ from rollout_sidecar.server.engine import kv_cache_size
 from rollout_sidecar.server.engine.adapter_table import lora_engine_args
 from rollout_sidecar.server.engine.idle_wait import ENGINE_WAIT_ENV
 from rollout_sidecar.server.engine.platform_defaults import resolve as resolve_defaults
-from rollout_sidecar.server.engine.platform_defaults import split_bytes
 from rollout_sidecar.server.model.checkpoint_index import CheckpointIndex
 
 log = logging.getLogger(__name__)
@@ -56,8 +55,7 @@ def build(settings: ServerSettings, model_path: Path, index: CheckpointIndex,
     # "auto": the checkpoint's own, which vLLM serves as bfloat16 or float16.
     width = 2 if s.dtype == "auto" else dtype_itemsize(s.dtype)
     served_bytes = index.num_parameters * width
-    split = split_bytes(t.numel * width for t in index.tensors.values())
-    defaults = resolve_defaults(s, served_bytes, split)
+    defaults = resolve_defaults(s, served_bytes)
     kv = kv_cache_size.choose(s.kv_cache_gib, s.gpu_memory_utilization, os.environ,
                               defaults.cpu)
     if kv.drop_env:

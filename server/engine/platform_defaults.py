@@ -15,11 +15,13 @@ budget allows (docs/gpu.md, "Memory a push needs"):
 
 - device_staging: with `weight_staging=device`, every TP worker stages the
   whole unsharded push in its GPU's memory: the model's bytes in the serving
-  dtype, plus the split tensors (those larger than a bucket), which the load
-  reassembles on the same device and keeps until it ends (staging.py): at
-  the trainer's default 256 MiB buckets, an untied 128k-vocabulary 8B
-  model's embedding and lm_head, 2 GiB. With host staging (the default),
-  nothing.
+  dtype, plus the buffers a bucket holding a chunk arrives in before its
+  slots land in place (worker/placed_tensors.py): two buckets for a
+  broadcast or one sender (`RECEIVE_BYTES`, at the trainer's default 256
+  MiB buckets); each further trainer rank sending adds up to two of its
+  share's buckets. A load copies nothing more (a split tensor used to be
+  reassembled there: 2 GiB for an untied 128k-vocabulary 8B model). With
+  host staging (the default), nothing.
 - push_scratch: one bucket-sized receive buffer on the device, plus the
   layer a load materialises at once; `PUSH_SCRATCH_BYTES` covers buckets up
   to 1 GiB and layers up to 1 GiB (a 70B model's MLP is 0.9 GiB in bf16).
@@ -30,7 +32,6 @@ device's memory through NVML, without initialising CUDA in this process.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rollout_sidecar.server.config import ServerSettings
@@ -40,6 +41,7 @@ CPU_UTILIZATION = 0.3  # of host memory, on vLLM-CPU (module docstring)
 PUSH_SCRATCH_BYTES = 2 << 30
 # WeightPusher's default bucket_mb (trainer/push_config.py): tensors larger are split.
 DEFAULT_BUCKET_BYTES = 256 << 20
+RECEIVE_BYTES = 2 * DEFAULT_BUCKET_BYTES  # a scattered bucket's lent buffers (docstring)
 MIN_UTILIZATION = 0.1
 
 
@@ -51,20 +53,14 @@ class EngineDefaults:
     cpu: bool = False  # vLLM-CPU: the KV cache's size is ours to choose (kv_cache_size.py)
 
 
-def split_bytes(tensor_bytes: Iterable[int], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """Bytes of the tensors a push of buckets of `bucket_bytes` splits."""
-    return sum(b for b in tensor_bytes if b > bucket_bytes)
-
-
-def gpu_utilization(model_bytes: int, gpu_bytes: int, device_staging: bool,
-                    split: int = 0) -> float:
+def gpu_utilization(model_bytes: int, gpu_bytes: int, device_staging: bool) -> float:
     """The largest fraction of the GPU vLLM may take that still leaves a
-    push its memory (module docstring); `split`: `split_bytes` of the model."""
-    outside = PUSH_SCRATCH_BYTES + (model_bytes + split if device_staging else 0)
+    push its memory (module docstring)."""
+    outside = PUSH_SCRATCH_BYTES + (model_bytes + RECEIVE_BYTES if device_staging else 0)
     return max(MIN_UTILIZATION, round(VLLM_DEFAULT_UTILIZATION - outside / gpu_bytes, 3))
 
 
-def resolve(settings: ServerSettings, model_bytes: int, split: int = 0) -> EngineDefaults:
+def resolve(settings: ServerSettings, model_bytes: int) -> EngineDefaults:
     """The settings as given, with each one left unset filled for this platform."""
     from vllm.platforms import current_platform
 
@@ -78,9 +74,9 @@ def resolve(settings: ServerSettings, model_bytes: int, split: int = 0) -> Engin
     if util is None:
         gpu = current_platform.get_device_total_memory(0)
         device_staging = settings.weight_staging == "device"
-        util = gpu_utilization(model_bytes, gpu, device_staging, split)
+        util = gpu_utilization(model_bytes, gpu, device_staging)
         staged = (f" + {model_bytes / 2**30:.2f} GiB device staging"
-                  f" + {split / 2**30:.2f} GiB split tensors") if device_staging else ""
+                  f" + {RECEIVE_BYTES / 2**30:.1f} GiB receive buffers") if device_staging else ""
         why += (f"; gpu_memory_utilization {util} = {VLLM_DEFAULT_UTILIZATION} - "
                 f"({PUSH_SCRATCH_BYTES / 2**30:.0f} GiB push scratch{staged}"
                 f") / {gpu / 2**30:.0f} GiB")

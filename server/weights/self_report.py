@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from rollout_sidecar.protocol.schema import (
     CAPABILITIES,
-    CHUNKS_INTERLEAVED,
     DRAFT,
     TensorInfo,
     WeightIndex,
@@ -59,26 +58,11 @@ def weight_status(svc: WeightService) -> WeightStatus:
 
 
 def capabilities(svc: WeightService) -> list[str]:
-    """What this server takes beyond the first protocol (weights_api.py)."""
-    caps = [*CAPABILITIES, *([DRAFT] if svc.engine.index.draft else [])]
-    if own_rows_refused(svc) is not None:
-        caps.remove(CHUNKS_INTERLEAVED)
-    return caps
-
-
-def own_rows_refused(svc: WeightService) -> str | None:
-    """Why this server does not take a push of own rows (None: it does).
-    Every tensor of one arrives split, and each worker reassembles the
-    whole model at a load (staging.py): one extra copy of the model in
-    host memory with one worker, but one per worker with TP > 1 (a
-    shared copy too: each worker reads every tensor whole), and in GPU
-    memory with device staging."""
-    workers = sum(len(g.ranks) for g in svc.layout.groups) if svc.layout else 0
-    if workers != 1:
-        return f"{workers} workers would each copy the whole model at a load"
-    if svc.settings.weight_staging == "device":
-        return "device staging would copy the whole model in GPU memory at a load"
-    return None
+    """What this server takes beyond the first protocol (weights_api.py).
+    Every layout takes a push of own rows (`chunks:interleaved`): its chunks
+    land in place (worker/placed_tensors.py), at any TP and with device
+    staging, and a load copies nothing."""
+    return [*CAPABILITIES, *([DRAFT] if svc.engine.index.draft else [])]
 
 
 def weight_index(svc: WeightService) -> WeightIndex:

@@ -44,7 +44,7 @@ from rollout_sidecar.server.config import ServerSettings
 from rollout_sidecar.server.engine.engine_api import Engine, Scorer
 from rollout_sidecar.server.errors import BadRequest, PushConflict
 from rollout_sidecar.server.metrics.collectors import ServerMetrics
-from rollout_sidecar.server.weights import ops, rendezvous_address, self_report, staging_layout
+from rollout_sidecar.server.weights import ops, rendezvous_address, staging_layout
 from rollout_sidecar.server.weights.commit import CommitPhases
 from rollout_sidecar.server.weights.data_plane import DataPlane
 from rollout_sidecar.server.weights.manifest_check import check_manifest
@@ -117,8 +117,6 @@ class WeightService:
                                                                      hosts, s)
         for warning in layout.warnings:
             log.warning("staging: %s", warning)
-        if (why := self_report.own_rows_refused(self)) is not None:
-            log.info("pushes of own rows (chunks:interleaved) not taken: %s", why)
         log.info("staging: %s (a staged copy: %.1f MiB)", layout.describe(), staged / 2**20)
         if layout.shared:
             self.shared_root = StagingRoot(self.boot_id)

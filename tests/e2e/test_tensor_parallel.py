@@ -163,13 +163,30 @@ def push_and_check(tp2, pusher, model, seed: int) -> tuple[float, float]:
 def test_push_into_a_tp2_server_serves_the_pushed_weights(tp2, pusher, model):
     # Shared: the leader alone receives; per worker: both TP workers do.
     assert status(tp2)["data_plane_ranks"] == (1 if tp2.shared else 2)
-    # Each TP worker would copy the whole model at the load of a push of own
-    # rows (trainer/gather/own_rows.py): a TP 2 server does not take one.
-    assert "chunks:interleaved" not in status(tp2)["capabilities"]
+    # A push of own rows lands in place (worker/placed_tensors.py): TP 2 takes one.
+    assert "chunks:interleaved" in status(tp2)["capabilities"]
     gap, moved = push_and_check(tp2, pusher, model, seed=0)
     staged = status(tp2)["staged_bytes"]
     print(f"TP2 {layout(tp2)}: served vs trained fp32 mean "
           f"|dlogp| {gap:.2e}; the step moved {moved:.3f}; staged bytes on the host {staged}")
+
+
+def test_a_push_of_own_rows_into_a_tp2_server_is_exact(tp2, tmp_path):
+    """Two FSDP2 ranks send their own rows, nothing gathered, in 0.1 MiB
+    buckets: every tensor arrives as chunks from both ranks, interleaved, and
+    lands in place in the staged copy both workers load their shards from
+    (shared) or in each worker's own. The oracle: the trainer's own fp32
+    forward of the same weights, against what the server samples."""
+    v = status(tp2)["weight_version"]
+    _, report = run_worker(tp2, "split", v + 1, tmp_path)
+    assert report["error"] is None and report["own_rows"] and report["senders"] == 2, report
+    assert report["version_after"] == v + 1, report
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(report["split"]), report
+    assert report["max_abs_dlogp_fp32"] < EXACT, report  # served = trained, fp32
+    assert report["mean_abs_dlogp_pre"] > 10 * report["mean_abs_dlogp_fp32"], report
+    print(f"TP2 {layout(tp2)} own rows: served vs trained fp32 mean |dlogp| "
+          f"{report['mean_abs_dlogp_fp32']:.2e} (max {report['max_abs_dlogp_fp32']:.2e}); "
+          f"before the step {report['mean_abs_dlogp_pre']:.3f}")
 
 
 def test_an_http_push_into_a_tp2_server_serves_the_pushed_weights(tp2, pusher, model):

@@ -133,7 +133,7 @@ def _worker(port: int, out: mp.Queue, group_0: bool = False, old_way: bool = Fal
         receive_broadcast,
         use_device,
     )
-    from rollout_sidecar.server.weights.worker.staging import StagedBucket
+    from rollout_sidecar.server.weights.worker.staging import StagedBucket, Staging
 
     device = _worker_device()
     held = _hold_group_0() if group_0 else None
@@ -178,7 +178,7 @@ def _worker(port: int, out: mp.Queue, group_0: bool = False, old_way: bool = Fal
     def run(rx: ReceiveThread) -> None:
         seen["default"] = torch.cuda.current_device()  # a new thread's: 0
         try:
-            receive_broadcast(rx.group, buckets, "nccl", device, None)
+            receive_broadcast(rx.group, Staging(buckets), "nccl", device, None)
         finally:
             seen["device"] = torch.cuda.current_device()
 
@@ -313,7 +313,7 @@ class _LoopbackGroup:
 
 def test_device_staging_checksums_each_bucket_in_the_receive_thread(monkeypatch):
     from rollout_sidecar.server.weights.worker import bucket_receive
-    from rollout_sidecar.server.weights.worker.staging import StagedBucket
+    from rollout_sidecar.server.weights.worker.staging import StagedBucket, Staging
 
     threads = set()
     real = bucket_receive.crc32
@@ -322,7 +322,8 @@ def test_device_staging_checksums_each_bucket_in_the_receive_thread(monkeypatch)
     buckets = [StagedBucket(i, BUCKET, [], torch.empty(BUCKET, dtype=torch.uint8,
                                                        device="cuda:0")) for i in range(3)]
     rx = bucket_receive.ReceiveThread(_LoopbackGroup(), lambda rx: bucket_receive.receive_broadcast(
-        rx.group, buckets, "nccl", torch.device("cuda", 0), None))
+        rx.group, Staging(buckets, device=torch.device("cuda", 0)), "nccl",
+        torch.device("cuda", 0), None))
     rx.start()
     rx.join(60)
     assert rx.error is None
@@ -334,7 +335,7 @@ def test_device_staging_checksums_each_bucket_in_the_receive_thread(monkeypatch)
 def test_device_staging_under_sum64_checks_on_the_device_with_no_host_copy(monkeypatch):
     from rollout_sidecar.protocol.data_plane.bucket_check import sum64
     from rollout_sidecar.server.weights.worker import bucket_receive
-    from rollout_sidecar.server.weights.worker.staging import StagedBucket
+    from rollout_sidecar.server.weights.worker.staging import StagedBucket, Staging
 
     pinned = []
     real_empty = torch.empty
@@ -343,7 +344,8 @@ def test_device_staging_under_sum64_checks_on_the_device_with_no_host_copy(monke
     buckets = [StagedBucket(i, BUCKET, [], real_empty(BUCKET, dtype=torch.uint8,
                                                       device="cuda:0")) for i in range(3)]
     rx = bucket_receive.ReceiveThread(_LoopbackGroup(), lambda rx: bucket_receive.receive_broadcast(
-        rx.group, buckets, "nccl", torch.device("cuda", 0), None, "sum64"))
+        rx.group, Staging(buckets, device=torch.device("cuda", 0)), "nccl",
+        torch.device("cuda", 0), None, "sum64"))
     rx.start()
     rx.join(60)
     assert rx.error is None

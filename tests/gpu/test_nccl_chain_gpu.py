@@ -38,7 +38,7 @@ def _rank(port: int, rank: int, staging: str, out: mp.Queue) -> None:
     from rollout_sidecar.protocol.data_plane.bucket_check import sum64
     from rollout_sidecar.protocol.data_plane.bucket_group import broadcast_group, send_bucket
     from rollout_sidecar.server.weights.worker.bucket_receive import receive_chain
-    from rollout_sidecar.server.weights.worker.staging import StagedBucket
+    from rollout_sidecar.server.weights.worker.staging import StagedBucket, Staging
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -60,7 +60,8 @@ def _rank(port: int, rank: int, staging: str, out: mp.Queue) -> None:
                                                                   pin_memory=True),
                                     source=SOURCES[k]) for k, n in enumerate(SIZES)]
             check = "sum64" if on_device else "crc32"
-            receive_chain(group, buckets, rank, world, None, SENDERS, check, "nccl", device)
+            staged = Staging(buckets, device=device if on_device else torch.device("cpu"))
+            receive_chain(group, staged, rank, world, None, SENDERS, check, "nccl", device)
             torch.cuda.synchronize()
             expect = [sum64(_bucket(k)) if on_device else zlib.crc32(_bucket(k).numpy())
                       for k in range(len(SIZES))]

@@ -24,7 +24,7 @@ from rollout_sidecar.protocol.data_plane.chain_steps import relay_steps
 from rollout_sidecar.protocol.data_plane.ring_route import route
 from rollout_sidecar.protocol.schema import Check
 from rollout_sidecar.protocol.transports import transport
-from rollout_sidecar.server.weights.worker.staging import StagedBucket
+from rollout_sidecar.server.weights.worker.staging import Receipt, Staging
 
 log = logging.getLogger(__name__)
 
@@ -54,92 +54,130 @@ def use_device(device: torch.device, backend: str) -> None:
         torch.cuda.set_device(device)
 
 
-def receive_broadcast(group: Any, buckets: list[StagedBucket], backend: str,
-                      device: torch.device, key: bytes | None, check: Check = "crc32") -> None:
+class Arrivals:
+    """A worker's `Landing` (protocol/data_plane/landing.py): each bucket
+    arrives in its staged buffer, or in a lent one if it is scattered
+    (placed_tensors.py); its check value (and tag) runs over its pieces as
+    they land, and a scattered bucket's slots go to their places once it is
+    all here, while the next one arrives."""
+
+    def __init__(self, staging: Staging, key: bytes | None, check: Check) -> None:
+        self.receipt, self.chk = staging.receipt(), bucket_check(check)
+        n = len(self.receipt.buckets)
+        self.values = [0] * n
+        self.got = [0] * n
+        self.macs = [BucketMac(key) if key is not None else None for _ in range(n)]
+        self.lent: dict[int, torch.Tensor] = {}
+
+    def buffer(self, k: int) -> torch.Tensor:
+        buf = self.lent[k] = self.receipt.buffer(k)
+        return buf
+
+    def piece(self, k: int, piece: torch.Tensor) -> None:
+        running = self.chk.running
+        if running is not None:
+            self.values[k] = running(piece, self.values[k])
+        mac = self.macs[k]
+        if mac is not None:
+            mac.update(piece)
+        self.got[k] += piece.numel()
+        if self.got[k] == self.receipt.buckets[k].nbytes:
+            data = self.lent[k]
+            value = self.values[k] if running is not None else self.chk.compute(data)
+            self.receipt.arrived(k, data, value, mac)
+
+    def passed_on(self, k: int) -> None:
+        self.receipt.give_back(k, self.lent.pop(k))
+
+    def finish(self) -> None:
+        """Every bucket arrived (an empty one has no piece to say so)."""
+        for k, b in enumerate(self.receipt.buckets):
+            if not b.received:
+                if b.nbytes:
+                    raise RuntimeError(f"bucket {b.index}: {self.got[k]} of {b.nbytes} bytes "
+                                       "arrived")
+                nothing = torch.empty(0, dtype=torch.uint8)
+                self.receipt.arrived(k, nothing, self.chk.compute(nothing), self.macs[k])
+
+
+def receive_broadcast(group: Any, staging: Staging, backend: str, device: torch.device,
+                      key: bytes | None, check: Check = "crc32") -> None:
     """Every bucket, as a broadcast from the trainer's rank 0. An NCCL
     bucket's `sum64` is computed in device memory (bucket_check.py): no host
-    copy unless a CRC-32 or a tag needs one."""
+    copy unless a CRC-32 or a tag needs one. A bucket is digested (and a
+    scattered one lands in its places) while the next one arrives."""
     use_device(device, backend)
     chk = bucket_check(check)
-    pending = None
+    receipt = staging.receipt()
+    buckets = receipt.buckets
+    pending: tuple[int, torch.Tensor, int | None] | None = None
     bounce = host_copy = None
     if buckets and transport(backend).on_device:
         size = max(b.nbytes for b in buckets)
-        if buckets[0].buffer.is_cpu:  # host staging: through the device
+        if staging.device.type == "cpu":  # host staging: through the device
             bounce = torch.empty(size, dtype=torch.uint8, device=device)
         elif chk.needs_host_copy(tagged=key is not None):  # device staging: a copy to read
             host_copy = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    for b in buckets:
-        target = b.buffer if bounce is None else bounce[: b.nbytes]
+    for k, b in enumerate(buckets):
+        buf = receipt.buffer(k)
+        target = buf if bounce is None else bounce[: b.nbytes]
         work = group.broadcast(target)
         if pending is not None:  # the previous bucket, while this one arrives
-            _digest(pending, key, host_copy, chk)
+            _digest(receipt, *pending, key, host_copy, chk)
         work.wait()
+        value = None
         if bounce is not None:
             if chk.on_device:  # where the bytes are, before they leave the device
-                b.checksum = chk.compute(target)
-            b.buffer.copy_(target)  # synchronous: the next broadcast reuses it
-        b.received = True
-        pending = b
+                value = chk.compute(target)
+            buf.copy_(target)  # synchronous: the next broadcast reuses it
+        pending = (k, buf, value)
     if pending is not None:
-        _digest(pending, key, host_copy, chk)
+        _digest(receipt, *pending, key, host_copy, chk)
 
 
-def receive_chain(group: Any, buckets: list[StagedBucket], rank: int, world_size: int,
+def receive_chain(group: Any, staging: Staging, rank: int, world_size: int,
                   key: bytes | None, senders: int = 1, check: Check = "crc32",
                   backend: str = "gloo", device: torch.device | None = None,
                   ring_starts: list[int] | None = None) -> None:
     """Each bucket from its sender (the first receiver, rank `senders`) or
     the previous rank, forwarded to the next; a CRC-32 runs over each piece
-    while the next one arrives. With several senders a bucket from each is on
-    the way at once: gloo's `relay_buckets`, NCCL's fused steps
-    (`relay_steps`; host staging lands through device slots, and a device
-    piece is CRC'd through a host copy: a GPU trainer speaks `sum64`). With
-    `ring_starts` (gloo), bucket k enters at a replica of its own and goes
-    round (protocol/data_plane/ring_route.py)."""
-    routes = [(b.buffer, *route(k, rank, b.source, senders, world_size, ring_starts))
-              for k, b in enumerate(buckets)]
-    chk = bucket_check(check)
-    running = chk.running  # piece by piece as they arrive, if the check can
-    values = [0] * len(buckets)
-    macs = [BucketMac(key) if key is not None else None for _ in buckets]
-
-    def add(k: int, piece: torch.Tensor) -> None:
-        if running is not None:
-            values[k] = running(piece, values[k])
-        mac = macs[k]
-        if mac is not None:
-            mac.update(piece)
-        if piece.data_ptr() + piece.numel() == buckets[k].buffer.data_ptr() + buckets[k].nbytes:
-            buckets[k].received = True  # its last piece
-
+    while the next one arrives (`Arrivals`). With several senders a bucket
+    from each is on the way at once: gloo's `relay_buckets`, NCCL's fused
+    steps (`relay_steps`; host staging lands through device slots, and a
+    device piece is CRC'd through a host copy: a GPU trainer speaks
+    `sum64`). With `ring_starts` (gloo), bucket k enters at a replica of
+    its own and goes round (protocol/data_plane/ring_route.py)."""
+    landing = Arrivals(staging, key, check)
+    buckets = landing.receipt.buckets
     if transport(backend).on_device:
         if device is not None:
             use_device(device, backend)
-        relay_steps(group, [(b.buffer, b.source) for b in buckets], rank, world_size,
-                    first_receiver=senders, on_piece=add)
+        relay_steps(group, [(b.nbytes, b.source) for b in buckets], landing, rank, world_size,
+                    first_receiver=senders, on_host=staging.device.type == "cpu")
     else:
-        relay_buckets(group, routes, window=senders, on_piece=add)
-    for k, b in enumerate(buckets):
-        b.checksum = values[k] if running is not None else chk.compute(b.buffer)
-        b.mac = macs[k]
-        b.received = True
+        relay_buckets(group, [route(k, rank, b.source, senders, world_size, ring_starts)
+                              for k, b in enumerate(buckets)], landing, window=senders)
+    landing.finish()
 
 
-def _digest(b: StagedBucket, key: bytes | None, host_copy: torch.Tensor | None,
-            chk: BucketCheck) -> None:
-    """A bucket's check value (and tag): a device check where the bucket is;
-    a host check or tag of a device bucket through one reused pinned host
-    copy, so the check (on the worker's main thread) copies nothing."""
-    data = b.buffer
-    if chk.on_device and b.checksum is None:
-        b.checksum = chk.compute(data)
-    if not chk.needs_host_copy(tagged=key is not None):
-        return
-    if not data.is_cpu:
-        assert host_copy is not None
-        data = host_copy[: b.nbytes]
-        data.copy_(b.buffer)
-    if not chk.on_device:
-        b.checksum = chk.compute(data)
-    b.mac = BucketMac(key).update(data) if key is not None else None
+def _digest(receipt: Receipt, k: int, data: torch.Tensor, value: int | None,
+            key: bytes | None, host_copy: torch.Tensor | None, chk: BucketCheck) -> None:
+    """Bucket k's check value (and tag), then its arrival (a scattered
+    bucket's slots to their places): a device check where the bucket is; a
+    host check or tag of a device bucket through one reused pinned host
+    copy, so the check (on the worker's main thread) copies nothing; a lent
+    buffer goes back once landed."""
+    if chk.on_device and value is None:
+        value = chk.compute(data)
+    mac = None
+    if chk.needs_host_copy(tagged=key is not None):
+        host = data
+        if not data.is_cpu:
+            assert host_copy is not None
+            host = host_copy[: data.numel()]
+            host.copy_(data)
+        if not chk.on_device:
+            value = chk.compute(host)
+        mac = BucketMac(key).update(host) if key is not None else None
+    receipt.arrived(k, data, value, mac)
+    receipt.give_back(k, data)

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import torch
 
+from rollout_sidecar.protocol.data_plane.bucket_check import checksum
 from rollout_sidecar.protocol.failpoints import fire
+from rollout_sidecar.protocol.schema import Check
+from rollout_sidecar.server.weights.worker.staging import Staging
 
 
 def _checkpoint_tensor(checkpoint: str, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -25,12 +28,19 @@ def _checkpoint_tensor(checkpoint: str, name: str, like: torch.Tensor) -> torch.
     raise KeyError(f"{name} not in {checkpoint}")
 
 
-def corrupt_arrived(buffer: torch.Tensor, rank: int) -> bool:
-    """Flip a staged byte after arrival, so the CRC check refuses it."""
-    if not buffer.numel() or fire("check.corrupt", rank) is None:
-        return False
-    buffer[0] ^= 0xFF
-    return True
+def corrupt_arrived(staging: Staging, rank: int, check: Check) -> None:
+    """Flip a staged byte of the first bucket after arrival (where it is
+    staged: its buffer, or its first slot's place) and compute its check
+    value again from what is staged, so the check refuses it."""
+    if not staging.buckets or not staging.buckets[0].params or \
+            fire("check.corrupt", rank) is None:
+        return
+    b, p = staging.buckets[0], staging.buckets[0].params[0]
+    if b.scattered:
+        staging.places.buffers[p.name][p.chunk_offset or 0] ^= 0xFF
+    else:
+        b.buffer[p.offset] ^= 0xFF
+    b.checksum = checksum(staging.bucket_bytes(0), check)
 
 
 def loaded_with_failpoints(weights: Iterable[tuple[str, torch.Tensor]], checkpoint: str,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_sidecar.protocol.data_plane.delta_codec import Patch, PatchForm, apply, positions, read
+from rollout_sidecar.protocol.data_plane.delta_codec import PatchForm, apply, read
 from rollout_sidecar.protocol.data_plane.wire_format import slot_bytes, torch_dtype
 from rollout_sidecar.protocol.schema import PatchInfo, TensorSlot
 from rollout_sidecar.server.weights.worker.staging import Staging
@@ -41,31 +41,18 @@ class ResidentCopy:
                              "the push must be dense")
 
 
-def _chunks(resident: Staging) -> dict[str, list[tuple[int, torch.Tensor]]]:
-    """Each tensor's flat element ranges in the resident buckets: (first
-    element, typed flat view); one range unless it was split."""
-    out: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for b in resident.buckets:
-        for p in b.params:
-            dtype = torch_dtype(p.dtype)
-            view = slot_bytes(b.buffer, p).view(dtype)
-            out.setdefault(p.name, []).append(((p.chunk_offset or 0) // dtype.itemsize, view))
-    return out
-
-
 def apply_patches(patches: Staging, resident: Staging) -> int:
     """Write every patch slot into the resident copy; returns the number of
     elements written. A slot for a tensor the resident copy lacks, or of
     another dtype or size, raises before anything is written."""
-    chunks = _chunks(resident)
+    staged = resident.flat_views()
     todo: list[tuple[TensorSlot, PatchInfo, torch.Tensor]] = []
     for b in patches.buckets:
         for p in b.params:
-            ranges = chunks.get(p.name)
-            if ranges is None or p.patch is None:
+            view = staged.get(p.name)
+            if view is None or p.patch is None:
                 raise ValueError(f"{p.name}: no patch, or not in the staged copy")
-            if ranges[0][1].dtype != torch_dtype(p.dtype) or \
-                    sum(v.numel() for _, v in ranges) != p.numel:
+            if view.dtype != torch_dtype(p.dtype) or view.numel() != p.numel:
                 raise ValueError(f"{p.name}: the patch's dtype or size differs from the "
                                  "staged copy's")
             todo.append((p, p.patch, slot_bytes(b.buffer, p)))
@@ -73,24 +60,6 @@ def apply_patches(patches: Staging, resident: Staging) -> int:
     for p, info, raw in todo:
         patch = read(raw, PatchForm(info.form), p.numel, info.changed,
                      torch_dtype(p.dtype))
-        ranges = chunks[p.name]
-        if len(ranges) == 1:
-            apply(patch, ranges[0][1])
-        else:
-            _apply_split(patch, ranges)
+        apply(patch, staged[p.name])
         written += info.changed
     return written
-
-
-def _apply_split(patch: Patch, ranges: list[tuple[int, torch.Tensor]]) -> None:
-    """A tensor split across buckets: each chunk takes the changes in its range."""
-    if patch.form is PatchForm.DENSE:
-        for first, view in ranges:
-            view.copy_(patch.values[first: first + view.numel()])
-        return
-    where = positions(patch)
-    values = patch.values
-    for first, view in ranges:
-        lo = int(torch.searchsorted(where, first))
-        hi = int(torch.searchsorted(where, first + view.numel()))
-        view[where[lo:hi] - first] = values[lo:hi]

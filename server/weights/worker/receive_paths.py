@@ -10,8 +10,7 @@ they arrive, instead of telling transports apart.
   where each replica forwards what it got (gloo's threads, NCCL's fused
   steps), from one trainer rank or from every one.
 - `HttpStage` (HTTP): the bytes the API process took from a request body,
-  handed over as one `WorkerOp.STAGE` per bucket; their CRC is computed at
-  the check.
+  handed over as one `WorkerOp.STAGE` per bucket, checked as they land.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from rollout_sidecar.server.weights.worker.bucket_receive import (
     receive_chain,
 )
 from rollout_sidecar.server.weights.worker.group_membership import GroupMembership
-from rollout_sidecar.server.weights.worker.staging import StagedBucket
+from rollout_sidecar.server.weights.worker.staging import Staging
 
 HOST = torch.device("cpu")
 
@@ -42,10 +41,9 @@ class ReceivePath(Protocol):
         """Where the push's buckets land (`small`: patches, applied on the host)."""
         ...
 
-    def start(self, buckets: list[StagedBucket], check: Check = "crc32"
-              ) -> ReceiveThread | None:
-        """Start receiving into `buckets`: the thread that does, or None when
-        they are handed over op by op."""
+    def start(self, staging: Staging, check: Check = "crc32") -> ReceiveThread | None:
+        """Start receiving into `staging`'s buckets: the thread that does, or
+        None when they are handed over op by op."""
         ...
 
 
@@ -70,7 +68,7 @@ class GroupReceive:
             return self.device
         return HOST
 
-    def start(self, buckets: list[StagedBucket], check: Check = "crc32") -> ReceiveThread:
+    def start(self, staging: Staging, check: Check = "crc32") -> ReceiveThread:
         """Receive every bucket in a background thread, started here."""
         c = self.connection
         j = c.joiner
@@ -79,10 +77,10 @@ class GroupReceive:
         def run(rx: ReceiveThread) -> None:
             i = j.info
             if i.fanout == "chain":
-                receive_chain(rx.group, buckets, j.rank, i.world_size, i.mac_key, i.senders,
+                receive_chain(rx.group, staging, j.rank, i.world_size, i.mac_key, i.senders,
                               check, c.backend, self.device, i.ring_starts)
             else:
-                receive_broadcast(rx.group, buckets, c.backend, self.device, i.mac_key, check)
+                receive_broadcast(rx.group, staging, c.backend, self.device, i.mac_key, check)
 
         receiver = ReceiveThread(c.group, run)
         receiver.start()
@@ -98,23 +96,18 @@ class HttpStage:
     def staging_device(self, small: bool) -> torch.device:
         return HOST
 
-    def start(self, buckets: list[StagedBucket], check: Check = "crc32") -> None:
+    def start(self, staging: Staging, check: Check = "crc32") -> None:
         return None  # the bytes come as STAGE ops (`stage`)
 
     @staticmethod
-    def stage(buckets: list[StagedBucket], bucket: int | None,
-              data: bytes | bytearray | None) -> None:
-        """Copy one bucket's bytes in; a re-sent bucket replaces the old bytes."""
+    def stage(staging: Staging, bucket: int | None, data: bytes | bytearray | None,
+              check: Check, key: bytes | None) -> None:
+        """Copy one bucket's bytes in (checked, and tagged with the
+        connection's `key`, as they land); a re-sent bucket replaces the old."""
         if bucket is None or data is None:
             raise ValueError("stage needs bucket and data")
-        if not 0 <= bucket < len(buckets):
+        if not 0 <= bucket < len(staging.buckets):
             raise ValueError(f"bucket {bucket} is not in the manifest")
-        b = buckets[bucket]
-        if len(data) != b.nbytes:
-            raise ValueError(f"bucket {bucket}: {len(data)} bytes, expected {b.nbytes}")
         # A bytearray is read in place (frombuffer wants a writable buffer).
         writable = data if isinstance(data, bytearray) else bytearray(data)
-        b.buffer.copy_(torch.frombuffer(writable, dtype=torch.uint8))
-        b.received = True
-        b.checksum = None  # recomputed at the check
-        b.mac = None
+        staging.stage(bucket, torch.frombuffer(writable, dtype=torch.uint8), check, key)

@@ -78,8 +78,8 @@ class SideChannel:
             s.drop_pool()
         self.resident.version = None
         self.role = role
-        self.staging.shared = role.buffers("staging")
-        self.patches.shared = role.buffers("patches")
+        self.staging.share(role.buffers, "staging")
+        self.patches.share(role.buffers, "patches")
         return self._state()
 
     def _host(self, _: dict) -> dict:
@@ -106,8 +106,8 @@ class SideChannel:
                              f"({len(self.staging.buckets)} buckets)")
         self.staging.attach()  # shared staging: the leader's files, mapped
         try:
-            b = self.staging.buckets[request.bucket]
-            return {"version": version, "data": b.buffer.cpu().numpy().tobytes()}
+            data = self.staging.bucket_bytes(request.bucket)  # scattered: read back
+            return {"version": version, "data": data.cpu().numpy().tobytes()}
         finally:
             self.staging.detach()
 

@@ -19,23 +19,16 @@ on the host and never copied to the GPU, are not pinned at all. The staged
 copy's bucket sizes repeat from push to push, so its pool reallocates nothing.
 
 A tensor larger than a bucket arrives split across buckets, and with every
-trainer rank sending its own FSDP2 rows (trainer/gather/own_rows.py) every
-sharded tensor arrives as one chunk per rank, in different buckets. At load
-time a split tensor's chunks are copied into one new contiguous tensor: the
-one copy a split costs the server. Unsplit tensors stay zero-copy views.
-vLLM's layerwise reload keeps every tensor it was given until its layer is
-processed, and reload.py defers all processing until `load_weights` has
-returned (that is what makes the load all-or-nothing), so the copies of all
-split tensors are alive together at the end of the load: the load's extra
-peak is the sum of the split tensors' bytes (a 150k-vocabulary model with
-buckets larger than its MLP weights: embedding + lm_head, 2 x 1.2 GB at
-hidden 4096; a push of own rows: about the model's bytes), freed when the
-load ends.
+trainer rank sending its own FSDP2 rows every sharded tensor arrives as one
+chunk per rank. A bucket that holds a chunk is not kept: it arrives in a lent
+buffer and its slots are copied to their tensors' places as it lands
+(placed_tensors.py), so every tensor a load hands vLLM is a view, split or
+not, and the load copies nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,13 +36,10 @@ import torch
 
 from rollout_sidecar.protocol.data_plane.bucket_check import checksum
 from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac, same_tag
-from rollout_sidecar.protocol.data_plane.wire_format import (
-    slot_bytes,
-    slot_tensor,
-    torch_dtype,
-)
+from rollout_sidecar.protocol.data_plane.wire_format import slot_tensor
 from rollout_sidecar.protocol.schema import BucketManifest, Check, TensorSlot
 from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
+from rollout_sidecar.server.weights.worker.placed_tensors import Places, ReceiveBuffers, land
 
 _UNMAPPED = torch.empty(0, dtype=torch.uint8)  # a follower's bucket between loads
 
@@ -64,6 +54,45 @@ class StagedBucket:
     checksum: int | None = None  # computed on arrival
     mac: Any = None  # BucketMac, fed on arrival (a connection with a secret)
     source: int = 0  # the trainer's data-plane rank that sends it (BucketManifest.sender)
+    # It holds a chunk: its slots live in their tensors' places (placed_tensors.py),
+    # and `buffer` is empty but while it arrives (a lent one).
+    scattered: bool = False
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """One push's buckets, places and receive buffers, as its receive holds
+    them: a stale receive, still blocked on a dead trainer after a discard,
+    writes only into what its push was given (`drop_pool` gives the next
+    push new ones), never into the next push's staging."""
+
+    buckets: list[StagedBucket]
+    places: dict[str, torch.Tensor]
+    lent: ReceiveBuffers
+
+    def buffer(self, k: int) -> torch.Tensor:
+        """Where bucket `k` arrives: its own buffer, or a lent one."""
+        b = self.buckets[k]
+        return self.lent.lend(b.nbytes) if b.scattered else b.buffer
+
+    def arrived(self, k: int, data: torch.Tensor, value: int | None,
+                mac: BucketMac | None) -> None:
+        """Bucket `k` is all here in `data` (from `buffer`), with its check
+        value and tag if computed on the way: a scattered bucket's slots go
+        to their places. Its value is required then: the bytes it covers
+        are not kept as they came."""
+        b = self.buckets[k]
+        if b.scattered:
+            if value is None:
+                raise ValueError(f"bucket {b.index}: a scattered bucket needs its check value "
+                                 "as it lands")
+            land(self.places, b.params, data)
+        b.checksum, b.mac, b.received = value, mac, True
+
+    def give_back(self, k: int, buf: torch.Tensor) -> None:
+        """Bucket `k` arrived and went on: its lent buffer is free."""
+        if self.buckets[k].scattered:
+            self.lent.give_back(buf)
 
 
 @dataclass
@@ -75,39 +104,61 @@ class Staging:
     shared: SharedBuffers | None = None
     # Pinned on a GPU server: its buffers are copied to the GPU at every load.
     pinned: bool = False
+    places: Places = field(default_factory=Places)  # the scattered buckets' tensors
+    lent: ReceiveBuffers = field(default_factory=ReceiveBuffers)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # the push's
+
+    def share(self, buffers: Callable[[str], SharedBuffers | None], kind: str) -> None:
+        """Stage into the files of a shared copy (None: this worker's own)."""
+        self.shared = buffers(kind)
+        self.places.shared = buffers(f"{kind}-places")
 
     def allocate(self, manifest: list[BucketManifest], device: torch.device) -> None:
         """Lay out buffers for a manifest, reusing last push's where sizes
         match, and free the pooled buffers it does not use."""
         self.release()
-        if self.shared is not None:
-            return self._allocate_shared(manifest)
-        pool, self._pool = self._pool, {}
+        self.device = device
         pin = self.pinned and device.type == "cpu" and torch.cuda.is_available()
-        for b in manifest:
-            pooled = pool.get(b.nbytes)
+        scattered = [any(p.chunk_offset is not None for p in b.params) for b in manifest]
+        self.places.allocate({p.name: p.tensor_nbytes for b, s in zip(manifest, scattered,
+                                                                      strict=True)
+                              if s for p in b.params}, device, pin)
+        self.lent.reset(max((b.nbytes for b, s in zip(manifest, scattered, strict=True) if s),
+                            default=0), device)
+        if self.shared is not None:
+            return self._allocate_shared(manifest, scattered)
+        pool, self._pool = self._pool, {}
+        for b, s in zip(manifest, scattered, strict=True):
+            pooled = pool.get(b.nbytes) if not s else None
             buf = pooled.pop() if pooled else None
-            if buf is None or buf.device != device:
+            if s:
+                buf = _UNMAPPED
+            elif buf is None or buf.device != device:
                 buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
-            self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf, source=b.source))
+            self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf, source=b.source,
+                                             scattered=s))
         if any(pool.values()):  # what the layout does not use goes, pinned or not
             pool.clear()
             _release_cached_pinned()
 
-    def _allocate_shared(self, manifest: list[BucketManifest]) -> None:
+    def _allocate_shared(self, manifest: list[BucketManifest], scattered: list[bool]) -> None:
         s = self.shared
         assert s is not None
-        for b in manifest:  # a follower maps the leader's buffers at the load
-            buf = s.buffer(b.index, b.nbytes) if s.leader else _UNMAPPED
-            self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf, source=b.source))
+        for b, spread in zip(manifest, scattered, strict=True):  # a follower maps at the load
+            buf = s.buffer(b.index, b.nbytes) if s.leader and not spread else _UNMAPPED
+            self.buckets.append(StagedBucket(b.index, b.nbytes, b.params, buf, source=b.source,
+                                             scattered=spread))
         if s.leader:
-            s.keep_only({b.index for b in manifest})
+            s.keep_only({b.index for b, spread in zip(manifest, scattered, strict=True)
+                         if not spread})
 
     def attach(self) -> None:
         """A follower: map the leader's buffers of this layout, afresh."""
         if self.shared is not None and not self.shared.leader:
             for b in self.buckets:
-                b.buffer = self.shared.attach(b.index, b.nbytes)
+                if not b.scattered:
+                    b.buffer = self.shared.attach(b.index, b.nbytes)
+            self.places.attach()
 
     def detach(self) -> None:
         """A follower: unmap them again (the leader may replace them)."""
@@ -115,33 +166,69 @@ class Staging:
             for b in self.buckets:
                 b.buffer = _UNMAPPED
             self.shared.drop()
+            self.places.detach()
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of buffers held: the staged push's and the pool's (shared
-        ones by their leader alone: a follower's maps are the same memory)."""
+        """Bytes of buffers held: the staged push's, its places and receive
+        buffers, and the pool's (shared ones by their leader alone: a
+        follower's maps are the same memory)."""
+        held = self.places.held_bytes + self.lent.held_bytes
         if self.shared is not None:
-            return self.shared.nbytes if self.shared.leader else 0
-        return sum(b.nbytes for b in self.buckets) + sum(
+            return held + (self.shared.nbytes if self.shared.leader else 0)
+        return held + sum(b.buffer.numel() for b in self.buckets) + sum(
             t.numel() for ts in self._pool.values() for t in ts)
 
     def release(self) -> None:
         """Forget the staged push; its buffers go back to the pool (shared
-        ones stay mapped by the leader, by bucket index)."""
+        ones stay mapped by the leader, by bucket index; places stay, by
+        name, for the next push's layout)."""
         if self.shared is not None:
             self.detach()
         else:
             for b in self.buckets:
-                self._pool.setdefault(b.nbytes, []).append(b.buffer)
+                if not b.scattered:
+                    self._pool.setdefault(b.nbytes, []).append(b.buffer)
         self.buckets = []
 
     def drop_pool(self) -> None:
         """Forget the buffers too: a receive may still write into them."""
         self.release()
         self._pool.clear()
+        self.places.drop()
+        self.lent = ReceiveBuffers()  # a stale receive may still lend from the old
         if self.shared is not None:
             self.shared.drop()
         _release_cached_pinned()
+
+    # ----------------------------------------------------------------- arrival
+
+    def receipt(self) -> Receipt:
+        """This push's buckets, places and receive buffers, for its receive."""
+        return Receipt(self.buckets, self.places.buffers, self.lent)
+
+    def stage(self, k: int, data: torch.Tensor, check: Check, key: bytes | None = None
+              ) -> None:
+        """Bucket `k`'s bytes, handed over whole (HTTP, a test): copied in,
+        checked (and tagged, with the connection's `key`) as they land."""
+        b = self.buckets[k]
+        if data.numel() != b.nbytes:
+            raise ValueError(f"bucket {b.index}: {data.numel()} bytes, expected {b.nbytes}")
+        if not b.scattered:
+            b.buffer.copy_(data)
+            data = b.buffer
+        mac = BucketMac(key).update(data) if key is not None else None
+        self.receipt().arrived(k, data, checksum(data, check), mac)
+
+    def bucket_bytes(self, k: int) -> torch.Tensor:
+        """Bucket `k` as staged, for a peer: its buffer, or read back from
+        the places (placed_tensors.py)."""
+        b = self.buckets[k]
+        if not b.scattered:
+            return b.buffer
+        return self.places.read_back(b.params, torch.zeros(b.nbytes, dtype=torch.uint8))
+
+    # ------------------------------------------------------------------- check
 
     def check(self, expected: list[int], check: Check = "crc32") -> None:
         """Every bucket arrived and matches the trainer's check value, or raise."""
@@ -170,6 +257,8 @@ class Staging:
         for b, want in zip(self.buckets, expected, strict=True):
             if not b.received:
                 raise ValueError(f"bucket {b.index} never arrived")
+            if b.mac is None and b.scattered:
+                raise ValueError(f"bucket {b.index} was not tagged as it landed")
             mac = b.mac if b.mac is not None else BucketMac(key).update(b.buffer)
             if not same_tag(mac.finish(connection_id, version, b.index, b.nbytes), want):
                 raise ValueError(
@@ -177,29 +266,24 @@ class Staging:
                     "match the trainer's (the bytes were altered on the way, or sent by "
                     "someone without this connection's secret)")
 
+    # -------------------------------------------------------------------- load
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) in manifest order: views into the staged buffers, but
-        a split tensor reassembled into a new one, yielded where its last
-        chunk lands (its chunks cover it exactly once, in any order and
-        anywhere in the manifest: manifest_check.py)."""
-        whole: dict[str, tuple[torch.Tensor, int]] = {}  # split tensors: bytes so far
+        """(name, tensor) in manifest order, each once, each a view: into its
+        bucket, or its place (where its first slot is in the manifest)."""
+        placed: set[str] = set()
         for b in self.buckets:
             for p in b.params:
-                start = p.chunk_offset
-                if start is None:
+                if not b.scattered:
                     yield p.name, slot_tensor(b.buffer, p)
-                    continue
-                buf, covered = whole.get(p.name) or (torch.empty(
-                    p.tensor_nbytes, dtype=torch.uint8, device=b.buffer.device), 0)
-                buf[start: start + p.length].copy_(slot_bytes(b.buffer, p))
-                covered += p.length
-                if covered < p.tensor_nbytes:
-                    whole[p.name] = (buf, covered)
-                    continue
-                whole.pop(p.name, None)
-                yield p.name, buf.view(torch_dtype(p.dtype)).view(p.shape)
-        if whole:  # manifest_check.py refuses such a manifest
-            raise ValueError(f"{next(iter(whole))}: chunks do not cover the tensor")
+                elif p.name not in placed:
+                    placed.add(p.name)
+                    yield p.name, self.places.tensor(p)
+
+    def flat_views(self) -> dict[str, torch.Tensor]:
+        """Each tensor as staged, a typed flat view (a chunk's bucket is
+        always scattered, so every tensor is in one piece)."""
+        return {name: t.view(-1) for name, t in self.tensors()}
 
 
 def _release_cached_pinned() -> None:

@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from rollout_sidecar.protocol.data_plane.bucket_check import DEFAULT_CHECK
 from rollout_sidecar.protocol.failpoints import fire
+from rollout_sidecar.protocol.schema import Check as CheckName  # a request is `Check` here
 from rollout_sidecar.protocol.transports import transport
 from rollout_sidecar.server.weights.ops import WorkerOp
 from rollout_sidecar.server.weights.worker.adapter_loading import (
@@ -183,9 +184,10 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
                 path: ReceivePath = transport(request.transport).receive_class()(
                     self.connection, self.device)
                 self._allocate(request, path.staging_device(small=request.small))
-                self._receiver = path.start(self.incoming.buckets, request.check)
+                self._receiver = path.start(self.incoming, request.check)
             case Stage():
-                HttpStage.stage(self.incoming.buckets, request.bucket, request.data)
+                HttpStage.stage(self.incoming, request.bucket, request.data, self._check_name,
+                                self._mac_key)
             case Patch():
                 self._patch()
             case Check():
@@ -198,12 +200,10 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
             raise TimeoutError(f"buckets still arriving after {request.timeout_s:.0f}s")
         if self._error is not None:
             raise RuntimeError(f"receive failed: {self._error}")
-        if self.incoming.buckets and corrupt_arrived(self.incoming.buckets[0].buffer,
-                                                     self._worker_rank()):
-            self.incoming.buckets[0].checksum = None  # recomputed: sees the fault
+        check = self._check_name
+        corrupt_arrived(self.incoming, self._worker_rank(), check)
         self._check_macs(request)  # first: a forger fixes the CRC up too
-        self.incoming.check(request.checksums,
-                            self._push.check if self._push is not None else DEFAULT_CHECK.name)
+        self.incoming.check(request.checksums, check)
         self._checked = True
 
     def _load_push(self, request: Load) -> None:
@@ -288,8 +288,7 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
     def _check_macs(self, request: Check) -> None:
         """With a connection secret, every bucket's tag must match: bytes the
         trainer that holds the secret did not send never load."""
-        j = self.connection.joiner
-        key = j.info.mac_key if j is not None else None
+        j, key = self.connection.joiner, self._mac_key
         if request.macs is None or request.version is None:
             if key is not None:
                 raise ValueError("this connection has a secret: the check needs each bucket's "
@@ -300,6 +299,17 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
                              "a secret and bucket_macs")
         assert j is not None  # it holds the key
         self.incoming.check_macs(request.macs, key, j.info.connection_id, request.version)
+
+    @property
+    def _check_name(self) -> CheckName:
+        """The push's bucket check (a trainer from before `check`: CRC-32)."""
+        return self._push.check if self._push is not None else DEFAULT_CHECK.name
+
+    @property
+    def _mac_key(self) -> bytes | None:
+        """The connection's secret, if its buckets are tagged."""
+        j = self.connection.joiner
+        return j.info.mac_key if j is not None else None
 
     # ---------------------------------------------------------------- internals
 
