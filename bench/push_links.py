@@ -6,9 +6,9 @@ network, where each node's NIC is the limit. The trainer is FSDP2 over gloo
 across those nodes, so its gathers cross the same capped links as between
 real nodes. For 2 and 4 ranks, 1 and 2 replicas, three ways to send:
 "one" (`senders="one"`: rank 0 sends every bucket, gathered to it), "all"
-(the default: every rank gathers every tensor whole and sends its share of
-the buckets) and "own" (`own_rows=True`: every rank sends its own FSDP2 rows,
-nothing gathered), it measures a dense push (`delta=False`): its time, and
+(`own_rows=False`: every rank gathers every tensor whole and sends its share
+of the buckets) and "own" (the default since issue 58: every rank sends its
+own FSDP2 rows, nothing gathered), it measures a dense push (`delta=False`): its time, and
 the bytes that leave each trainer node, split into the wrapper's gathers
 (the same gathers drained alone, just before) and the push's own, and the
 bytes that leave each replica (the chain relays every bucket from the first
@@ -40,6 +40,7 @@ import torch
 from _common import build_llama, load, machine, median, serve, table
 from push import SIZES, load_trainer_model
 
+REPLICAS = "abc"  # the replicas' node names
 # This node's upload: `ip netns exec` mounts the namespace's own sysfs.
 TX = Path("/sys/class/net/eth0/statistics/tx_bytes")
 
@@ -65,7 +66,7 @@ def worker(args: argparse.Namespace) -> None:
     fully_shard(model)
     pusher = WeightPusher(args.urls.split(","), os.environ["ROLLOUT_SIDECAR_ADMIN_TOKEN"],
                           delta=False, probe=False, senders="one" if args.way == "one" else "all",
-                          own_rows=args.way == "own", bucket_mb=args.bucket_mb)
+                          own_rows=args.way in ("own", "default"), bucket_mb=args.bucket_mb)
     rows = []
     version = args.version
     blocks = int(args.bucket_mb * 2**20) // 2 if args.way == "one" else None
@@ -77,8 +78,8 @@ def worker(args: argparse.Namespace) -> None:
         # parameter over a quarter bucket to rank 0 alone, in row blocks
         # (drained as the iterator moves on); every rank sending gathers each
         # one whole on every rank; own rows gather nothing.
-        for _name, _t in iter_full_tensors(model, block_bytes=blocks) if args.way != "own" \
-                else ():
+        for _name, _t in iter_full_tensors(model, block_bytes=blocks) \
+                if args.way not in ("own", "default") else ():
             pass
         dist.barrier()
         tx1, t1 = _tx(), time.perf_counter()
@@ -118,7 +119,7 @@ def run_config(ips: dict[str, str], urls: list[str], ranks: int, way: str,
         s.bind(("", 0))
         port = s.getsockname()[1]
     procs = []
-    replicas = "ab"[:len(urls)]
+    replicas = REPLICAS[:len(urls)]
     tx0 = [_replica_tx(n) for n in replicas]
     for r in range(ranks):
         cmd = [*exec_prefix(f"t{r}"), sys.executable, __file__, "--worker", "--urls",
@@ -152,7 +153,8 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=8)
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--replicas", default="1,2")
-    ap.add_argument("--ways", default="one,all,own", help="of one, all (gathered), own")
+    ap.add_argument("--ways", default="one,all,own",
+                    help="of one, all (gathered), own, default (the pusher's own choice)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rollout-sidecar-bench"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--urls", help=argparse.SUPPRESS)
@@ -172,7 +174,8 @@ def main() -> None:
     env = {"ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
            "ROLLOUT_SIDECAR_ADMIN_TOKEN": secrets.token_hex(8),
            "ROLLOUT_SIDECAR_CONNECTION_LEASE_S": "0"}
-    names = [f"t{r}" for r in range(max(rank_counts))] + ["a", "b"]
+    replica_counts = [int(n) for n in args.replicas.split(",")]
+    names = [f"t{r}" for r in range(max(rank_counts))] + list(REPLICAS[:max(replica_counts)])
     rows, version = [], 0
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -181,11 +184,11 @@ def main() -> None:
         ips = stack.enter_context(nodes(names, args.link))
         servers = [stack.enter_context(serve(
             ckpt, args.workdir / f"links-{n}.log", env={**env, "GLOO_SOCKET_IFNAME": "eth0"},
-            prefix=exec_prefix(n), host=ips[n])) for n in "ab"]
+            prefix=exec_prefix(n), host=ips[n])) for n in REPLICAS[:max(replica_counts)]]
         urls = [s.url for s in servers]
         print(f"{args.size}; each node uploads at {args.link}; {load()}", flush=True)
         for ranks in rank_counts:
-            for replicas in (int(n) for n in args.replicas.split(",")):
+            for replicas in replica_counts:
                 for way in args.ways.split(","):
                     version += 1000
                     per_rank, replica_tx = run_config(ips, urls[:replicas], ranks, way,
@@ -203,14 +206,15 @@ def main() -> None:
                  "gather+send s / wire s"], rows))
 
 
-_WAYS = {"one": "rank 0", "all": "all, gathered", "own": "all, own rows"}
+_WAYS = {"one": "rank 0", "all": "all, gathered", "own": "all, own rows", "default": "default"}
 
 
 def _row(ranks: int, replicas: int, way: str, per_rank: list[list[dict]],
          replica_tx: list[float], rate: float) -> list[object]:
     first = per_rank[0][0]
     model = first["nbytes"]
-    if (way == "own") != first["own_rows"] or (way != "one") != (first["senders"] > 1):
+    if way != "default" and ((way == "own") != first["own_rows"]
+                             or (way != "one") != (first["senders"] > 1)):
         raise RuntimeError(f"{way}: went with {first['senders']} senders "
                            f"({first['reason']}), own rows {first['own_rows']} "
                            f"({first['own_rows_reason']})")

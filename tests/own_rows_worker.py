@@ -3,6 +3,7 @@ FSDP2 model with the pusher's own planner and sender, nothing gathered; rank
 0 stages every rank's buckets as the server does (its manifest check, its
 staging, its reassembly) and compares every tensor with torch's own full
 state dict. Rank 0 writes a JSON report; tests/test_own_rows_units.py asserts.
+`--replicas 2` on 4 ranks: HSDP, two replica groups of two.
 
 The model is row_blocks_worker's (301 rows over 3 ranks: 101, 101, 99; a
 2-row weight that rank 2 holds none of; a 1-D vector; a 3-D tensor) plus a
@@ -24,6 +25,7 @@ from tests.row_blocks_worker import BUCKET, WIRE, build
 def arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shard-dim", type=int, default=0)
     ap.add_argument("--bucket", type=int, default=BUCKET)
+    ap.add_argument("--replicas", type=int, default=1, help="> 1: HSDP")
 
 
 def _no_gather(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
@@ -45,7 +47,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     from rollout_sidecar.trainer.pack.sender import BucketSender
     from tests.test_split_buckets import LoopbackTransport  # keeps a copy of every bucket
 
-    model = build(args.shard_dim)
+    model = build(args.shard_dim, args.replicas)
     model.register_buffer("routes", torch.randint(0, 1 << 40, (70,)))
     world = dist.get_world_size()
     report: dict = {"why_not": why_not(model, world)}
@@ -79,9 +81,8 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     check_manifest(req, index, "bfloat16")  # the server's own check
     staging = Staging()
     staging.allocate(req.buckets, torch.device("cpu"))
-    for b in staging.buckets:
-        b.buffer.copy_(torch.frombuffer(bytearray(sent[b.index]), dtype=torch.uint8))
-        b.received = True
+    for k, b in enumerate(staging.buckets):  # its chunks land in place (placed_tensors.py)
+        staging.stage(k, torch.frombuffer(bytearray(sent[b.index]), dtype=torch.uint8), "crc32")
     staging.check([values[b.index] for b in buckets])
     got = dict(staging.tensors())
     where: dict[str, list[int]] = {}  # each tensor's entries' places in the manifest

@@ -23,8 +23,12 @@ BUCKET = 1024  # bytes: every large parameter spans many buckets and many blocks
 WIRE = torch.bfloat16
 
 
-def build(shard_dim: int = 0) -> nn.Module:
-    """`shard_dim`: FSDP2 shards the parameters it divides evenly on that dim."""
+def build(shard_dim: int = 0, replicas: int = 1) -> nn.Module:
+    """`shard_dim`: FSDP2 shards the parameters it divides evenly on that
+    dim. `replicas` > 1: HSDP, that many replica groups sharding over the
+    rest of the ranks (a 2-D mesh)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
@@ -36,7 +40,9 @@ def build(shard_dim: int = 0) -> nn.Module:
     m.cube = nn.Parameter(torch.randn(20, 3, 7))
     m.head = nn.Linear(24, 301)
     # (FSDP2 shards another dim only evenly: where it divides by 3.)
-    fully_shard(m, shard_placement_fn=lambda p: Shard(
+    mesh = init_device_mesh("cpu", (replicas, dist.get_world_size() // replicas),
+                            mesh_dim_names=("replicate", "shard")) if replicas > 1 else None
+    fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Shard(
         shard_dim if p.dim() > shard_dim and p.shape[shard_dim] % 3 == 0 else 0))
     return m
 

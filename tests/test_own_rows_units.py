@@ -52,9 +52,9 @@ def test_each_rank_buckets_hold_its_rows_once_and_the_manifest_alternates(world,
     assert len({b.source for b in buckets[:world]}) == min(world, len(buckets))
 
 
-def run(tmp_path: Path, *flags: str) -> dict:
+def run(tmp_path: Path, *flags: str, nproc: int = 3) -> dict:
     out = tmp_path / "report.json"
-    proc = rank_pool.run(WORKER, ["--out", out, *flags], nproc=3, env=processes.repo_env(),
+    proc = rank_pool.run(WORKER, ["--out", out, *flags], nproc=nproc, env=processes.repo_env(),
                          timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -83,3 +83,16 @@ def test_own_rows_staged_by_the_server_equal_torch_full_state_dict(tmp_path, buc
 def test_a_shard_on_another_dim_is_not_rows_and_names_the_parameter(tmp_path):
     r = run(tmp_path, "--shard-dim", "1")
     assert r["why_not"].startswith("cube is not a row shard: placements [Shard(dim=1)]"), r
+
+
+@pytest.mark.e2e
+def test_hsdp_replica_groups_each_send_a_part_of_their_rows(tmp_path):
+    """HSDP, 2 replica groups x 2 shards: each group holds the whole model,
+    so each sends half of every shard's rows; every rank's link carries
+    about a quarter, and nothing is gathered."""
+    r = run(tmp_path, "--replicas", "2", "--bucket", "1024", nproc=4)
+    assert r["why_not"] is None, r
+    assert r["mismatched"] == [] and "embed.weight" in r["compared"]
+    assert set(r["senders"]) == {0, 1, 2, 3}
+    total = sum(r["bytes_by_rank"])
+    assert all(0.15 * total < b < 0.35 * total for b in r["bytes_by_rank"]), r["bytes_by_rank"]

@@ -138,20 +138,19 @@ class PushConfig:
     (about 3 copies for a moment) plus two buckets. "one" keeps row blocks'
     bound."""
 
-    own_rows: bool = False
-    """With every rank sending an FSDP2 model, each rank sends the rows of its
-    own shards as they are, and nothing is gathered (gather/own_rows.py): each
-    trainer link carries model / N bytes, against about model bytes with the
-    gathers, and no rank holds a full parameter (2-3x faster pushes between
-    nodes: docs/benchmarks.md). It goes where every parameter is a dim-0
-    shard over the whole trainer group (FSDP2's default) or held whole, and
-    every replica takes `chunks:interleaved`; otherwise every rank gathers,
-    and `PushResult.own_rows_reason` says why. Off by default because the
-    cost is the server's: its load copies each tensor whole, one extra copy
-    of the model in host memory for the length of the load (server
-    staging.py), which a server sized for its staged copy may not have; a
-    server offers it only with one worker and host staging (with TP > 1
-    every worker would copy the model)."""
+    own_rows: bool = True
+    """With every rank sending an FSDP2 (or HSDP) model, each rank sends the
+    rows of its own shards as they are, and nothing is gathered
+    (gather/own_rows.py): each trainer link carries model / N bytes, against
+    about model bytes with the gathers, and no rank holds a full parameter
+    (2-3x faster pushes between nodes: docs/benchmarks.md). It goes where
+    every parameter is a dim-0 shard over the whole trainer group (FSDP2's
+    default, HSDP's replica groups each sending a part) or held whole, and
+    every replica takes `chunks:interleaved` (every server since chunks land
+    in place: server placed_tensors.py; older ones with one worker and host
+    staging); otherwise every rank gathers, and `PushResult.own_rows_reason`
+    says why (FSDP1's flat parameters, a shard on another dim). False:
+    always gather, as before."""
 
     authenticate_buckets: bool = False
     """gloo/NCCL: tag every bucket with a keyed BLAKE2b under the connection's

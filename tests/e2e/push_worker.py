@@ -79,11 +79,9 @@ def push(args: argparse.Namespace, rank: int, patches: contextlib.ExitStack) -> 
     model = build(args.model, args.mode)
     transport = "http" if args.mode == "http" else "gloo"
     # split: 0.1 MiB, under the 132 KiB embedding and lm_head (and the MLP weights).
-    # fsdp2 and split send their own rows (own_rows, opt-in); the other modes
-    # the default: every rank sends gathered tensors.
+    # Every FSDP2 mode sends its own rows (the default); FSDP1 and HTTP gather.
     pusher = WeightPusher(args.url, transport=transport,
-                          bucket_mb=0.1 if args.mode == "split" else 1,
-                          own_rows=args.mode in ("fsdp2", "split"))
+                          bucket_mb=0.1 if args.mode == "split" else 1)
     urls = args.url.split(",")
     clients = [GenerationClient(u) for u in urls] if rank == 0 else []
     client = clients[0] if clients else None

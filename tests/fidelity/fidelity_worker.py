@@ -183,10 +183,10 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     serve_dtype = getattr(torch, info["dtype"])
     g = torch.Generator().manual_seed(5)
     scored = torch.randint(0, info["vocab_size"], (SCORED_SEQS, SCORED_LEN), generator=g).tolist()
-    # FSDP2: no gather. A quantized server's pushes go whole: the same weights
-    # pushed again after the negative control must be reloaded, not diffed
-    # against a staged copy the control left unloaded.
-    pusher = WeightPusher(args.url, bucket_mb=1, own_rows=True,
+    # FSDP2: no gather (own rows, the default). A quantized server's pushes
+    # go whole: the same weights pushed again after the negative control must
+    # be reloaded, not diffed against a staged copy the control left unloaded.
+    pusher = WeightPusher(args.url, bucket_mb=1,
                           delta=False if args.scenario == "quant" else "auto")
     report: dict = {"runs": []}
 

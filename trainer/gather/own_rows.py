@@ -10,20 +10,27 @@ as they are, and nothing is gathered: each trainer link carries model / N
 bytes. Every rank sending after full gathers instead uploads (N - 1) / N of
 the model for the gathers on top (bench/push_links.py measures both).
 
+HSDP (a 2-D mesh: replica groups, each sharding rows over its ranks): every
+replica group holds the whole model, so each one sends a part of every
+shard's rows (shard s's rows split over the groups as above), and again
+every rank's link carries model / N, nothing gathered.
+
 This goes where every rank sends a dense push of the model's own tensors
-(no drafter), every parameter is a row shard over a mesh of the whole trainer
-group or held whole (no FSDP, DDP), and every replica takes a split tensor's
-chunks in any order (`chunks:interleaved`). Otherwise (HSDP's 2-D mesh,
-`shard_placement_fn` on another dim, tensor parallelism) `why_not` names the
-first parameter that is not, and every rank gathers as before.
+(no drafter), every parameter is a row shard over the whole trainer group
+(FSDP2, HSDP) or held whole (no FSDP, DDP), and every replica takes a split
+tensor's chunks in any order (`chunks:interleaved`). Otherwise
+(`shard_placement_fn` on another dim, whose shards are strided column blocks,
+not byte ranges of the tensor; tensor parallelism; FSDP1's flat parameters)
+`why_not` names the first parameter that is not, and every rank gathers as
+before.
 
 The layout (`rank_pieces`, then pack/rank_buckets.py): each rank's rows, in
 `param_plan` order, and the tensors every rank holds whole (persistent
 buffers, unsharded parameters), each to the rank with the fewest bytes so far.
 
-The cost is the server's: each sharded tensor arrives as one chunk per rank,
-and a split tensor is copied whole at load (server staging.py), so a load's
-extra host peak is about the model's bytes instead of its split tensors'.
+Each sharded tensor arrives as one chunk per rank; the server copies each
+chunk to its place as its bucket lands (server placed_tensors.py), so a push
+of own rows costs it no more memory than a gathered one.
 """
 
 from __future__ import annotations
@@ -58,22 +65,39 @@ class Piece:
         return self.first == 0 and self.end == (self.shape[0] if self.shape else 1)
 
 
-def _row_shard_ranks(p: torch.Tensor) -> list[int]:
-    """The global ranks holding DTensor `p`'s row shards, in mesh order;
-    ValueError unless it is sharded on dim 0 over a 1-D mesh."""
-    from torch.distributed.tensor import Shard
+def _row_groups(p: torch.Tensor) -> list[list[int]]:
+    """The global ranks holding DTensor `p`'s row shards: one list per copy
+    of the model (FSDP2: one; HSDP: one per replica group), each in shard
+    order. ValueError unless it is sharded on dim 0, over a 1-D mesh or an
+    HSDP mesh (replicated on its first dim, row-sharded on its second)."""
+    from torch.distributed.tensor import Replicate, Shard
 
     mesh, placements = p.device_mesh, p.placements
-    if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard \
-            or placements[0].dim != 0 or p.dim() == 0:
-        raise ValueError(f"placements {list(placements)} over a {mesh.ndim}-D mesh")
-    return [int(r) for r in mesh.mesh.tolist()]
+    kinds = [(type(q), getattr(q, "dim", None)) for q in placements]
+    if p.dim() and mesh.ndim == 1 and kinds == [(Shard, 0)]:
+        return [[int(r) for r in mesh.mesh.tolist()]]
+    if p.dim() and mesh.ndim == 2 and kinds == [(Replicate, None), (Shard, 0)]:
+        return [[int(r) for r in group] for group in mesh.mesh.tolist()]
+    raise ValueError(f"placements {list(placements)} over a {mesh.ndim}-D mesh")
 
 
 def _rows(d0: int, n: int) -> list[tuple[int, int]]:
     """Each mesh rank's rows of a dim-0 shard (torch.chunk's split)."""
     c = math.ceil(d0 / n) if d0 else 0
     return [(min(i * c, d0), min((i + 1) * c, d0)) for i in range(n)]
+
+
+def _held_and_sent(d0: int, groups: list[list[int]]) -> dict[int, tuple[tuple[int, int],
+                                                                         tuple[int, int]]]:
+    """Each rank's rows held and rows it sends: shard s of every replica
+    group holds the same rows, and replica group g sends part g of them
+    (`_rows` again), so every rank's link carries model / N with HSDP too."""
+    out = {}
+    for g, group in enumerate(groups):
+        for rank, (first, end) in zip(group, _rows(d0, len(group)), strict=True):
+            a, b = _rows(end - first, len(groups))[g]
+            out[rank] = ((first, end), (first + a, first + b))
+    return out
 
 
 def why_not(model: nn.Module, world: int) -> str | None:
@@ -89,13 +113,13 @@ def why_not(model: nn.Module, world: int) -> str | None:
         if not hasattr(p, "placements"):
             continue  # held whole
         try:
-            ranks = _row_shard_ranks(p)
+            groups = _row_groups(p)
         except ValueError as e:
             return f"{normalize_name(name)} is not a row shard: {e}"
-        if sorted(ranks) != list(range(world)):
-            return f"{normalize_name(name)} is sharded over ranks {ranks}, not the {world} " \
+        if sorted(r for g in groups for r in g) != list(range(world)):
+            return f"{normalize_name(name)} is sharded over ranks {groups}, not the {world} " \
                 "trainer ranks"
-        first, end = _rows(p.shape[0], len(ranks))[ranks.index(me)]
+        (first, end), _ = _held_and_sent(p.shape[0], groups)[me]
         if tuple(p.to_local().shape) != (end - first, *p.shape[1:]):
             return (f"{normalize_name(name)}: this rank holds {list(p.to_local().shape)}, "
                     f"not rows {first}..{end} of {list(p.shape)}")
@@ -121,9 +145,8 @@ def rank_pieces(model: nn.Module, world: int, buffers: Sequence[str] = ()
         if not hasattr(p, "placements"):
             whole(name, p)
             continue
-        ranks = _row_shard_ranks(p)
         row_bytes = math.prod(p.shape[1:]) * p.element_size()
-        for r, (first, end) in zip(ranks, _rows(p.shape[0], len(ranks)), strict=True):
+        for r, (_, (first, end)) in sorted(_held_and_sent(p.shape[0], _row_groups(p)).items()):
             if end > first:
                 out[r].append(Piece(name, tuple(p.shape), p.dtype, first, end))
                 load[r] += (end - first) * row_bytes
@@ -155,9 +178,8 @@ class OwnRows:
         cursor = self._cursors.get(slot.name)
         if cursor is None:
             first = 0
-            if sharded:
-                ranks = _row_shard_ranks(p)
-                first = _rows(p.shape[0], len(ranks))[ranks.index(dist.get_rank())][0]
+            if sharded:  # the rows this rank holds start there
+                first = _held_and_sent(p.shape[0], _row_groups(p))[dist.get_rank()][0][0]
             cursor = FlatCursor(local, start=first * math.prod(p.shape[1:]), numel=p.numel())
             self._cursors[slot.name] = cursor
         return cursor
