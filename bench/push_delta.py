@@ -7,7 +7,10 @@ A with `WeightPusher()` (delta="auto", the default) and to group B with
 in bf16, each pinned to one core. The first push of each is dense for both
 (nothing to diff against) and is left out. Per lr it prints the changed share
 of bf16 elements per step, bytes on the wire, the diff time, the send and the
-whole push (commit and probe included), dense / delta.
+whole push (commit and probe included), dense / delta. `--full-diff` adds a
+group C pushed with delta="auto" but the early sample switched off (every
+push diffs every element first, as before issue 58): a dense step's cost
+with and without the sample's early decision, side by side.
 
 Networks: loopback (default), or `--link 2gbit` (trainer and every replica in
 their own network namespace, each node's upload capped by tc: netns.py, root).
@@ -33,8 +36,21 @@ from _common import build_llama, load, machine, median, serve, table
 from push import SIZES, load_trainer_model
 
 
+@contextlib.contextmanager
+def _no_early_sample():
+    """delta="auto" as before the early sample: the full diff always runs."""
+    from rollout_sidecar.trainer.delta import delta_push
+
+    saved, delta_push.EARLY_DENSE = delta_push.EARLY_DENSE, float("inf")
+    try:
+        yield
+    finally:
+        delta_push.EARLY_DENSE = saved
+
+
 def measure(delta_urls: list[str], dense_urls: list[str], token: str,
-            args: argparse.Namespace) -> dict[str, list[dict]]:
+            args: argparse.Namespace, full_urls: list[str] | None = None
+            ) -> dict[str, list[dict]]:
     """Every lr, in this process (the trainer): one row per push."""
     from rollout_sidecar.trainer import WeightPusher
 
@@ -47,6 +63,7 @@ def measure(delta_urls: list[str], dense_urls: list[str], token: str,
         g = torch.Generator().manual_seed(0)
         by_delta = WeightPusher(delta_urls, token, bucket_mb=args.bucket_mb)
         by_dense = WeightPusher(dense_urls, token, bucket_mb=args.bucket_mb, delta=False)
+        by_full = WeightPusher(full_urls, token, bucket_mb=args.bucket_mb) if full_urls else None
         rows = []
         try:
             for step in range(args.steps + 1):
@@ -57,12 +74,18 @@ def measure(delta_urls: list[str], dense_urls: list[str], token: str,
                     opt.step()
                 a = by_delta.push(model, version=version)
                 b = by_dense.push(model, version=version)
+                c = None
+                if by_full is not None:
+                    with _no_early_sample():
+                        c = by_full.push(model, version=version)
                 version += 1
                 if step:
                     rows.append(dict(encoding=a.encoding, why=a.delta_reason,
                                      changed=a.changed, elements=a.elements,
                                      delta=a.nbytes, dense=b.nbytes, delta_t=a.timings,
-                                     dense_t=b.timings, probe=[a.probe_gap, b.probe_gap]))
+                                     dense_t=b.timings, probe=[a.probe_gap, b.probe_gap],
+                                     full_t=c.timings if c else None,
+                                     full_why=c.delta_reason if c else None))
                     print(f"lr {lr} step {step}: {a.encoding} "
                           f"{(a.changed or 0) / (a.elements or 1):.2%} changed, "
                           f"{a.nbytes / 2**20:.1f} / {b.nbytes / 2**20:.1f} MiB, push "
@@ -71,17 +94,21 @@ def measure(delta_urls: list[str], dense_urls: list[str], token: str,
         finally:
             by_delta.close()
             by_dense.close()
+            if by_full is not None:
+                by_full.close()
         out[lr] = rows
     return out
 
 
 def measure_in(prefix: list[str], delta_urls: list[str], dense_urls: list[str], token: str,
-               args: argparse.Namespace) -> dict[str, list[dict]]:
+               args: argparse.Namespace, full_urls: list[str] | None = None
+               ) -> dict[str, list[dict]]:
     """`measure` in a child process run under `prefix` (the trainer's node)."""
     out = args.workdir / "delta-result.json"
     out.unlink(missing_ok=True)
+    groups = [delta_urls, dense_urls, *([full_urls] if full_urls else [])]
     cmd = [*prefix, sys.executable, __file__, "--measure",
-           ",".join(delta_urls) + ";" + ",".join(dense_urls), "--out", str(out),
+           ";".join(",".join(g) for g in groups), "--out", str(out),
            "--size", args.size, "--lrs", args.lrs, "--steps", str(args.steps),
            "--bucket-mb", str(args.bucket_mb), "--threads", str(args.threads),
            "--batch", str(args.batch)]
@@ -125,6 +152,17 @@ def report(res: dict[str, list[dict]], args: argparse.Namespace, wall: float) ->
     print(f"\n{args.size}, {args.replicas} replica(s) per group, {net}, bucket "
           f"{args.bucket_mb:g} MiB, medians over {args.steps} steps; {wall:.0f}s; {load()}")
     print(table(headers, rows))
+    full = [(lr, pushes) for lr, pushes in res.items() if pushes and pushes[0].get("full_t")]
+    if full:
+        print("\nThe early sample (delta='auto' with it / without it, the full diff; dense "
+              "alone: delta=False):")
+        print(table(["lr", "push s auto", "push s full diff", "push s dense", "full diff / auto",
+                     "auto / dense"], [[lr, *(f"{t:.3f}" for t in trio),
+                                        f"{trio[1] / trio[0]:.2f}x", f"{trio[0] / trio[2]:.2f}x"]
+                                       for lr, pushes in full
+                                       for trio in [tuple(median([p[k]["total_s"] for p in pushes])
+                                                          for k in ("delta_t", "full_t",
+                                                                    "dense_t"))]]))
     print("\nWhere a push's time goes (medians, s, dense / delta):")
     print(table(["lr", *STEPS], [[lr, *(
         f"{median([p['dense_t'].get(k, 0.0) for p in pushes]):.3f} / "
@@ -141,14 +179,17 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--full-diff", action="store_true",
+                    help="a third group: delta='auto' with the early sample off")
     ap.add_argument("--link", help="tc rate of each node's upload, e.g. 2gbit (root only)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rollout-sidecar-bench"))
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:  # the trainer's half, on its own node
-        delta_urls, dense_urls = (g.split(",") for g in args.measure.split(";"))
-        res = measure(delta_urls, dense_urls, os.environ["ROLLOUT_SIDECAR_ADMIN_TOKEN"], args)
+        delta_urls, dense_urls, *full = (g.split(",") for g in args.measure.split(";"))
+        res = measure(delta_urls, dense_urls, os.environ["ROLLOUT_SIDECAR_ADMIN_TOKEN"], args,
+                      full[0] if full else None)
         Path(args.out).write_text(json.dumps(res))
         return
     print(machine(), flush=True)
@@ -157,7 +198,8 @@ def main() -> None:
     env = {"ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
            "ROLLOUT_SIDECAR_ADMIN_TOKEN": secrets.token_hex(8),
            "ROLLOUT_SIDECAR_CONNECTION_LEASE_S": "0"}
-    names = [f"{g}{i}" for g in "ab" for i in range(args.replicas)]
+    groups = "abc" if args.full_diff else "ab"
+    names = [f"{g}{i}" for g in groups for i in range(args.replicas)]
     ncores = os.cpu_count() or 1
     with contextlib.ExitStack() as stack:
         if args.link:
@@ -169,10 +211,10 @@ def main() -> None:
             ckpt, args.workdir / f"delta-{n}.log", env=env, cpus=str(i % ncores),
             prefix=exec_prefix(n) if args.link else None, host=ips[n] if args.link else None))
             for i, n in enumerate(names)}
-        urls = {g: [servers[n].url for n in names if n[0] == g] for g in "ab"}
+        urls = {g: [servers[n].url for n in names if n[0] == g] for g in groups}
         t0 = time.perf_counter()
         res = measure_in(exec_prefix("t") if args.link else [], urls["a"], urls["b"],
-                         env["ROLLOUT_SIDECAR_ADMIN_TOKEN"], args)
+                         env["ROLLOUT_SIDECAR_ADMIN_TOKEN"], args, urls.get("c"))
         (args.workdir / f"delta-{args.size}-{args.link or 'loopback'}-r{args.replicas}.json"
          ).write_text(json.dumps(res))
     report(res, args, time.perf_counter() - t0)

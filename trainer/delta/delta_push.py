@@ -9,7 +9,9 @@ of these hold, and dense otherwise (`PushResult.encoding` and
   partial push, a new replica or another trainer's push;
 - the model's layout is covered (shard_pieces.py) and its tensors travel as
   they are (no PEFT merge, no checkpoint conversion: those stay dense);
-- the patches would carry at most half the dense bytes (patch_plan.py).
+- the patches would carry at most half the dense bytes (patch_plan.py); a
+  sample of every piece decides first, so a dense step skips the full diff
+  (early_sample.py).
 
 Every rank takes the same path: rank 0's view of the servers (`Opening`) is
 broadcast, each rank checks its own copy, and the counts that decide the plan
@@ -27,6 +29,7 @@ from torch import nn
 
 from rollout_sidecar.protocol.data_plane.wire_format import torch_dtype
 from rollout_sidecar.protocol.schema import BucketManifest, WeightStatus
+from rollout_sidecar.trainer.delta.early_sample import EARLY_DENSE, estimated_share
 from rollout_sidecar.trainer.delta.patch_gather import DeltaDiff
 from rollout_sidecar.trainer.delta.patch_plan import (
     TensorPlan,
@@ -96,6 +99,9 @@ class DeltaPush:
         assert pieces is not None
         names = [p.name for p in params]
         diff = DeltaDiff(pieces, self.copy, names, self.dense_above)
+        why = self._dense_step(diff, params)  # a collective: every rank is here
+        if why is not None:
+            return None, why
         stats = diff.stats()  # a collective: every rank is here
         plans = choose_forms(names, [p.shape for p in params], [p.dtype for p in params],
                              stats, self.dense_above)
@@ -106,6 +112,20 @@ class DeltaPush:
         buckets = plan_patch_buckets(plans, bucket_bytes) if any(p.changed for p in plans) \
             else []
         return DeltaPlan(diff, plans, buckets, opening.delta_base), None
+
+    def _dense_step(self, diff: DeltaDiff, params: list[ParamInfo]) -> str | None:
+        """Why the push goes dense with no full diff, where a sample of every
+        rank's pieces says its patches would carry most of the dense bytes
+        (early_sample.py); None: diff it all."""
+        sampled = diff.sampled()
+        share = estimated_share(sampled, [p.shape for p in params], [p.dtype for p in params],
+                                self.dense_above)
+        if share <= EARLY_DENSE:
+            return None
+        seen, changed = (int(x) for x in sampled.sum(dim=(0, 1)).tolist())
+        return (f"a dense step: {changed / seen:.0%} of {seen} sampled elements changed, so "
+                f"its patches would carry about {share:.0%} of the dense bytes (decided on "
+                "the sample, with no full diff)")
 
     def committed(self, model: nn.Module, opening: Opening, version: int,
                   delta: DeltaPlan | None = None) -> None:

@@ -40,6 +40,17 @@ def _comm_device() -> torch.device:
     return device() if _distributed() else torch.device("cpu")
 
 
+def _every_rank(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's `local`, stacked in rank order, on every rank."""
+    if not _distributed():
+        return local.unsqueeze(0)
+    dev = _comm_device()
+    out = [torch.empty_like(local, device=dev) for _ in range(dist.get_world_size())]
+    mine = local.to(dev)
+    settled(lambda: dist.all_gather(out, mine, async_op=True), [*out, mine])
+    return torch.stack([o.cpu() for o in out])
+
+
 class DeltaDiff:
     """One push's diff on one rank: its pieces against its shard copy."""
 
@@ -53,6 +64,14 @@ class DeltaDiff:
         self.piece_of = {self.tensor_of[p.name]: i for i, p in enumerate(pieces)}
         self.changes: list[LocalChange] = []
 
+    def sampled(self) -> torch.Tensor:
+        """[ranks, tensors, 2] (compared, changed) in a sample of every
+        piece (early_sample.py), on every rank: a collective."""
+        local = torch.zeros(len(self.names), 2, dtype=torch.int64)
+        for i, p in enumerate(self.pieces):
+            local[self.tensor_of[p.name]] = torch.tensor(self.copy.sample(i, p))
+        return _every_rank(local)
+
     def stats(self) -> torch.Tensor:
         """[ranks, tensors, 4] (count, first, last, max_gap), on every rank."""
         local = torch.zeros(len(self.names), 4, dtype=torch.int64)
@@ -60,13 +79,7 @@ class DeltaDiff:
         self.changes = [self.copy.diff(i, p, self.dense_above) for i, p in enumerate(self.pieces)]
         for p, c in zip(self.pieces, self.changes, strict=True):
             local[self.tensor_of[p.name]] = torch.tensor([c.count, c.first, c.last, c.max_gap])
-        if not _distributed():
-            return local.unsqueeze(0)
-        dev = _comm_device()
-        out = [torch.empty_like(local, device=dev) for _ in range(dist.get_world_size())]
-        mine = local.to(dev)
-        settled(lambda: dist.all_gather(out, mine, async_op=True), [*out, mine])
-        return torch.stack([o.cpu() for o in out])
+        return _every_rank(local)
 
     def _entry(self, t: int, plan: TensorPlan) -> tuple[int, torch.Tensor | None, torch.Tensor]:
         """This rank's part of tensor `t`: (start, positions or None, values)."""

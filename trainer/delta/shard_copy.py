@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout_sidecar.protocol.data_plane.delta_codec import bits
+from rollout_sidecar.trainer.delta.early_sample import sample_changes
 from rollout_sidecar.trainer.delta.shard_pieces import Piece
 
 # Elements per step of a host diff (3 MiB of scratch in bf16); 256K-4M
@@ -145,6 +146,10 @@ class ShardCopy:
             self._chunk = torch.empty(CHUNK, dtype=dtype)
             self._mask = torch.empty(CHUNK, dtype=torch.bool)
         return self._chunk, self._mask
+
+    def sample(self, i: int, piece: Piece) -> tuple[int, int]:
+        """(compared, changed) in a sample of piece `i` (early_sample.py)."""
+        return sample_changes(piece, self._tensors[i])
 
     def values(self, i: int, piece: Piece) -> torch.Tensor:
         """Piece `i`'s current values in the copy's dtype and device (a piece
