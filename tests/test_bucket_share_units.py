@@ -86,3 +86,25 @@ def test_a_model_below_the_smallest_shared_bucket_says_why_fewer_ranks_sent():
 def test_one_sender_keeps_one_bucket():
     lay = layout(model(), 1, bucket_mb=256)
     assert lay.senders == 1 and len(lay.buckets) == 1
+
+
+@pytest.mark.parametrize("senders", [2, 4])
+def test_own_rows_are_cut_into_several_buckets_a_rank(senders):
+    """Each rank sends its own rows whatever the bucket size, but a chain over
+    several replicas relays in manifest order: one bucket a rank made the
+    ring's relays take turns (bench/push_scaling.py), several let them run
+    side by side."""
+    from rollout_sidecar.protocol.schema import CAPABILITIES
+
+    m = model()
+    total = sum(t.numel() * 4 for t in m.state_dict().values())
+    s = serving(m)
+    s.statuses = [st.model_copy(update={"capabilities": list(CAPABILITIES)}) for st in s.statuses]
+    opening = Opening(restarted=False, serve_dtype="float32", wire_dtypes={}, buffers=[],
+                      delta_base=None, why_dense=None, senders=senders)
+    lay = lay_out(m, PushPlan(opening, None, None, why_gathered=None), None, s,
+                  PushConfig(bucket_mb=256), NamedLayout())
+    assert lay.own_rows and sum(b.nbytes for b in lay.buckets) == total
+    per_rank = [[b for b in lay.buckets if b.sender == r] for r in range(senders)]
+    assert all(len(mine) >= 2 for mine in per_rank), [len(mine) for mine in per_rank]
+    assert max(b.nbytes for b in lay.buckets) <= total / (senders * PER_SENDER) + 4096

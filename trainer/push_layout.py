@@ -85,9 +85,13 @@ def lay_out(model: nn.Module | NamedTensors, plan: PushPlan, draft: nn.Module | 
     if senders > 1 and isinstance(model, nn.Module):
         rows_why = plan.why_gathered or serving.lacks(CHUNKS_INTERLEAVED)
         if rows_why is None:
-            buckets = plan_rank_buckets(rank_pieces(model, senders, buffers),
-                                        serving.serve_dtype, config.bucket_bytes,
+            pieces = rank_pieces(model, senders, buffers)
+            buckets = plan_rank_buckets(pieces, serving.serve_dtype, config.bucket_bytes,
                                         serving.wire_dtypes)
+            size = share_bytes(sum(b.nbytes for b in buckets), senders, config.bucket_bytes)
+            if size < config.bucket_bytes:  # several buckets a rank (bucket_senders.py)
+                buckets = plan_rank_buckets(pieces, serving.serve_dtype, size,
+                                            serving.wire_dtypes)
             return Layout(buckets, senders, why, True)
     if isinstance(model, NamedTensors):
         assert serving.index is not None

@@ -24,7 +24,8 @@ class _ChunkCoverage:
     overlap. They may come in any order and anywhere in the manifest (each
     trainer rank sends the rows of its own shards, so one tensor's chunks
     interleave with the other ranks' buckets: capability `chunks:interleaved`);
-    staging reassembles each tensor once its last byte has come."""
+    staging copies each chunk to its tensor's place as its bucket lands
+    (worker/placed_tensors.py), so a chunk refused here is never written."""
 
     def __init__(self) -> None:
         self.split: dict[str, list[_Chunk]] = {}

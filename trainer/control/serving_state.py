@@ -116,8 +116,8 @@ class ServingState:
         """Which replica does not offer `capability` (`WeightStatus.capabilities`),
         said for a `PushResult` reason; None when every one does."""
         old = [i for i, st in enumerate(self.statuses) if capability not in st.capabilities]
-        return f"replica {old[0]} does not offer '{capability}' (an older server, or one " \
-            "whose layout does not take it: its log says why)" if old else None
+        return f"replica {old[0]} does not offer '{capability}' (an older server)" \
+            if old else None
 
     @property
     def versions(self) -> list[int]:

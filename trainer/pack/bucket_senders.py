@@ -14,6 +14,13 @@ out of rank 0's link, 50 MB, its gather share alone, out of rank 1's).
 `share_bytes` caps a bucket at 1/`PER_SENDER` of a sender's share, so each
 link carries at most (1 + 1/PER_SENDER) x its share; the buckets stay whole
 pieces of the gather order, split where a tensor is larger (pack/buckets.py).
+
+A push of own rows (pack/rank_buckets.py) is cut the same way, though each
+rank sends exactly its rows whatever the size: a chain over several replicas
+relays each replica's buckets in manifest order, so with one bucket a rank
+the ring's relays ran one after the other (two replicas took 5.2 s where
+the wire needed 2.1 s: bench/push_scaling.py); with several, the buckets
+entering at each replica alternate and the relays run side by side.
 """
 
 from __future__ import annotations
