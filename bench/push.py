@@ -54,7 +54,8 @@ from _stepped_pushes import row as delta_row
 MiB = 2**20
 DTYPE = torch.bfloat16  # what the server serves, so what goes over the wire
 # (hidden, intermediate, layers): 10.5M, 103M and 515M parameters, head_dim 64.
-SIZES = {"10m": (512, 1536, 3), "100m": (1024, 2816, 8), "500m": (2048, 5632, 10)}
+SIZES = {"10m": (512, 1536, 3), "25m": (512, 1408, 8), "50m": (768, 2048, 8),
+         "100m": (1024, 2816, 8), "250m": (1536, 4096, 9), "500m": (2048, 5632, 10)}
 TARGET_TRANSFER, TARGET_TOTAL, TARGET_RSS, TARGET_PER_PARAM = 0.8, 0.4, 3.0, 10.0
 TARGET_NOOP_S = 0.05
 TARGET_PROBE = 0.1  # the probe's share of a push
