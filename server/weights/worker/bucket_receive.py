@@ -70,8 +70,8 @@ class Arrivals:
         self.lent: dict[int, torch.Tensor] = {}
 
     def buffer(self, k: int) -> torch.Tensor:
-        buf = self.lent[k] = self.receipt.buffer(k)
-        return buf
+        self.lent[k] = self.receipt.buffer(k)
+        return self.lent[k]
 
     def piece(self, k: int, piece: torch.Tensor) -> None:
         running = self.chk.running

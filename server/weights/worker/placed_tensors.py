@@ -123,19 +123,23 @@ class ReceiveBuffers:
         self.free: list[torch.Tensor] = []
         self.size = 0
         self.device = torch.device("cpu")
+        self.pin = False  # host buffers a GPU's slots copy into (staging.py: pinned)
         self.out = 0  # lent now
         self.most = 0  # lent at once, at most, this push
 
-    def reset(self, size: int, device: torch.device) -> None:
-        """Buffers of `size` bytes on `device` for this push's buckets."""
-        if size != self.size or device != self.device:
+    def reset(self, size: int, device: torch.device, pin: bool = False) -> bool:
+        """Buffers of `size` bytes on `device` (pinned host memory: `pin`)
+        for this push's buckets; True where last push's were dropped."""
+        dropped = bool(self.free) and (size, device, pin) != (self.size, self.device, self.pin)
+        if dropped:
             self.free = []
-        self.size, self.device = size, device
+        self.size, self.device, self.pin = size, device, pin
         self.out = self.most = 0
+        return dropped
 
     def lend(self, nbytes: int) -> torch.Tensor:
         buf = self.free.pop() if self.free else torch.empty(
-            self.size, dtype=torch.uint8, device=self.device)
+            self.size, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
         self.out += 1
         self.most = max(self.most, self.out)
         return buf[:nbytes]

@@ -10,7 +10,8 @@ buffers (a delta's patch buckets change size at every push: pooled by size
 and never trimmed, they piled up push after push).
 
 Pinned memory (a GPU server): only the staged copy (`pinned=True`), whose
-buffers go host-to-device at every load. It comes from PyTorch's caching host
+buffers go host-to-device at every load, and the buffers its buckets that
+hold a chunk arrive in (a GPU's receive slots copy into them). It comes from PyTorch's caching host
 allocator (`pin_memory=True`), which rounds each block up to a power of two
 and keeps freed blocks cached for reuse, never returning them
 (c10/cuda/CUDACachingHostAllocator.cpp); so a pool buffer freed here is also
@@ -123,8 +124,9 @@ class Staging:
         self.places.allocate({p.name: p.tensor_nbytes for b, s in zip(manifest, scattered,
                                                                       strict=True)
                               if s for p in b.params}, device, pin)
-        self.lent.reset(max((b.nbytes for b, s in zip(manifest, scattered, strict=True) if s),
-                            default=0), device)
+        if self.lent.reset(max((b.nbytes for b, s in zip(manifest, scattered, strict=True)
+                                if s), default=0), device, pin) and pin:
+            _release_cached_pinned()  # as for the pool below (module docstring)
         if self.shared is not None:
             return self._allocate_shared(manifest, scattered)
         pool, self._pool = self._pool, {}
