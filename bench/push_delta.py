@@ -141,7 +141,8 @@ def report(res: dict[str, list[dict]], args: argparse.Namespace, wall: float) ->
         rows.append([lr, f"{len(deltas)}/{len(pushes)}",
                      f"{min(share):.2%} / {median(share):.2%} / {max(share):.2%}",
                      f"{dense_b / 2**20:.1f}", f"{delta_b / 2**20:.2f}",
-                     f"{dense_b / delta_b:.1f}x", f"{per_elt:.2f}", f"{diff:.3f}",
+                     f"{dense_b / delta_b:.1f}x" if delta_b else "no bytes", f"{per_elt:.2f}",
+                     f"{diff:.3f}",
                      f"{t['gather_send_s'][0]:.3f} / {t['gather_send_s'][1]:.3f}",
                      f"{t['total_s'][0]:.3f} / {t['total_s'][1]:.3f}",
                      f"{t['total_s'][0] / t['total_s'][1]:.2f}x"])
