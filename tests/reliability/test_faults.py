@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -302,15 +303,31 @@ def _store_at_next_connect(server) -> tuple[threading.Thread, list]:
     return thread, box
 
 
-def test_a_rogue_on_the_data_plane_port_is_named_and_keys_do_not_pile_up(reliable, trainer):
+def test_a_rogue_on_the_data_plane_port_is_named_and_keys_do_not_pile_up(reliable, trainer,
+                                                                         monkeypatch):
     """Someone who overwrites every rendezvous key while a push connects (the
     only time the store takes a connection): the push retries under fresh
     ids and secrets, which cuts the rogue off, and either gets through or
     fails naming the tampering, never std::bad_alloc; the old version serves;
-    then clean pushes (each reconnecting) leave the store's key count flat."""
+    then clean pushes (each reconnecting) leave the store's key count flat.
+
+    The trainer's own join waits (10 s at most) until the rogue has
+    overwritten a key, which the server's worker writes as it joins: without
+    that, a rendezvous that formed within the rogue's first poll (2 ms) left
+    it nothing to see, and the test failed for want of an attack (once in a
+    CI run)."""
     from rollout_sidecar.protocol.data_plane.signed_store import TAMPERED
+    from rollout_sidecar.trainer.transport import distributed
 
     stop, hits = threading.Event(), []
+    seen = threading.Event()
+    join = distributed.broadcast_group
+
+    def join_once_attacked(*args: Any, **kwargs: Any) -> Any:
+        seen.wait(10)
+        return join(*args, **kwargs)
+
+    monkeypatch.setattr(distributed, "broadcast_group", join_once_attacked)
 
     def overwrite() -> None:
         rogue = _data_plane_store(reliable)  # held until the push's connect opens the store
@@ -320,6 +337,7 @@ def test_a_rogue_on_the_data_plane_port_is_named_and_keys_do_not_pile_up(reliabl
                     if k.startswith("rs/") and not k.endswith("/abort"):
                         rogue.set(k, b"garbage")
                         hits.append(k)
+                        seen.set()
             except Exception:  # noqa: BLE001 - a new connect closed it: the rogue is out
                 return
             time.sleep(0.002)
