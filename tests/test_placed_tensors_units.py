@@ -22,6 +22,7 @@ from rollout_sidecar.protocol.data_plane.wire_format import slot_bytes
 from rollout_sidecar.protocol.schema import BucketManifest
 from rollout_sidecar.server.weights.worker.bucket_receive import receive_broadcast, receive_chain
 from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
+from rollout_sidecar.server.weights.worker.placed_tensors import ReceiveBuffers
 from rollout_sidecar.server.weights.worker.staging import Staging
 from rollout_sidecar.trainer.gather.own_rows import Piece
 from rollout_sidecar.trainer.pack.buckets import plan_buckets
@@ -210,3 +211,27 @@ def test_a_stale_receive_writes_nothing_the_next_push_reads() -> None:
     st.check([zlib.crc32(s.numpy()) for s in sent])
     for name, t in st.tensors():
         assert torch.equal(t, m[name].to(WIRE)), name
+
+
+def test_idle_receive_buffers_give_their_pages_back_and_serve_the_next_push() -> None:
+    """Before a load the receive buffers' pages go back to the kernel (the
+    load's peak is then a gathered push's): they read as zeros afterwards,
+    the resident set falls by about their size, and they are lent again."""
+    import psutil
+
+    lent = ReceiveBuffers()
+    lent.reset(16 << 20, torch.device("cpu"))
+    bufs = [lent.lend(16 << 20) for _ in range(2)]
+    for b in bufs:
+        b.fill_(7)
+        lent.give_back(b)
+    rss = psutil.Process().memory_info().rss
+    lent.idle()
+    fell = rss - psutil.Process().memory_info().rss
+    assert fell > 30 << 20, fell  # 32 MiB, less a page at each end at most
+    again = lent.lend(16 << 20)
+    page = 4096
+    assert int(again[page: -page].count_nonzero()) == 0  # fresh pages: zeros
+    again.fill_(3)
+    assert int((again == 3).sum()) == again.numel()
+    assert lent.most == 2 and lent.held_bytes == 16 << 20

@@ -27,6 +27,7 @@ Each process has a deadline and dumps its stacks before it (faulthandler).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import faulthandler
 import multiprocessing as mp
@@ -316,9 +317,15 @@ def test_device_staging_checksums_each_bucket_in_the_receive_thread(monkeypatch)
     from rollout_sidecar.server.weights.worker.staging import StagedBucket, Staging
 
     threads = set()
-    real = bucket_receive.crc32
-    monkeypatch.setattr(bucket_receive, "crc32", lambda data, *a: threads.add(
-        threading.current_thread().name) or real(data, *a))
+    real = bucket_receive.bucket_check("crc32")
+
+    def seen(fn):  # noqa: ANN001, ANN202
+        return lambda *a: threads.add(threading.current_thread().name) or fn(*a)
+
+    # The receive's check, whichever of its functions runs: a whole bucket's
+    # value, or the running one over its pieces.
+    monkeypatch.setattr(bucket_receive, "bucket_check", lambda name: dataclasses.replace(
+        real, compute=seen(real.compute), running=seen(real.running)))
     buckets = [StagedBucket(i, BUCKET, [], torch.empty(BUCKET, dtype=torch.uint8,
                                                        device="cuda:0")) for i in range(3)]
     rx = bucket_receive.ReceiveThread(_LoopbackGroup(), lambda rx: bucket_receive.receive_broadcast(

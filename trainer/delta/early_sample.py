@@ -41,18 +41,29 @@ EARLY_DENSE = 0.8  # of the dense bytes: above it, dense with no full diff
 
 def sample_changes(piece: Piece, base: torch.Tensor) -> tuple[int, int]:
     """(elements compared, elements changed) in `BLOCKS` evenly spread
-    blocks of `piece` against its copy `base` (flat, the wire dtype)."""
+    blocks of `piece` against its copy `base` (flat, the wire dtype): the
+    first starts the piece, the last ends it. A few ops a piece, whatever
+    `BLOCKS` (a block at a time: 0.022 s for a 134M-element Llama's 111
+    pieces, as much as half its no-op diff)."""
     n = base.numel()
     if n <= BLOCKS * BLOCK:
-        spans = [(0, n)]
-    else:  # the first block starts the piece, the last one ends it
-        starts = [j * (n - BLOCK) // (BLOCKS - 1) for j in range(BLOCKS)]
-        spans = [(a, a + BLOCK) for a in starts]
-    changed = torch.zeros((), dtype=torch.int64, device=base.device)
-    for a, b in spans:
-        new = piece.data[a:b].to(device=base.device, dtype=base.dtype)
-        changed += (bits(new) != bits(base[a:b])).sum()
-    return sum(b - a for a, b in spans), int(changed)  # one sync per piece
+        new, old = piece.data, base
+    else:
+        new, old = _blocks(piece.data, n), _blocks(base, n)
+    new = new.to(device=base.device, dtype=base.dtype)
+    changed = int((bits(new) != bits(old)).sum())  # one sync per piece
+    return min(n, BLOCKS * BLOCK), changed
+
+
+def _blocks(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`BLOCKS` x `BLOCK` elements of flat `t` (n elements): a strided view
+    of evenly spaced blocks and the last block, copied into one tensor."""
+    step = (n - BLOCK) // (BLOCKS - 1)
+    if t.dim() != 1 or t.stride(0) != 1:  # not a plain flat view: block by block
+        return torch.cat([t[j * step: j * step + BLOCK] for j in range(BLOCKS - 1)]
+                         + [t[n - BLOCK:]])
+    spread = t.as_strided((BLOCKS - 1, BLOCK), (step, 1), t.storage_offset())
+    return torch.cat([spread.reshape(-1), t[n - BLOCK:]])
 
 
 def estimated_share(sampled: torch.Tensor, shapes: list[tuple[int, ...]],

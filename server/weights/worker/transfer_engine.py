@@ -209,6 +209,7 @@ class StagedWeightTransferEngine(SideChannel, WeightTransferEngine[StagedInitInf
     def _load_push(self, request: Load) -> None:
         if not self._checked:
             raise RuntimeError("load before every bucket arrived and passed its CRC")
+        self.staging.lent.idle()  # the load's peak: the staged copy and one layer
         self.staging.attach()  # a follower maps the leader's buffers
         self.patches.attach()
         try:
