@@ -1,7 +1,9 @@
 """The tests' one way to shard a model, and one oracle of its full weights.
 
 `wrap(model, wrapper, layers)`: "plain" leaves it as it is; "fsdp2" calls
-`fully_shard` on each layer, then on the root; "fsdp1" wraps it in FSDP with
+`fully_shard` on each layer, then on the root; "hsdp" does the same over a
+2-D mesh (2 replica groups, each sharding over half the ranks); "fsdp1"
+wraps it in FSDP with
 each layer's class auto-wrapped, on CPU (`device_id=cpu`, as FSDP1 needs
 there) with `use_orig_params`.
 
@@ -18,19 +20,24 @@ from collections.abc import Iterable
 
 import torch
 
-WRAPPERS = ("plain", "fsdp2", "fsdp1")
+WRAPPERS = ("plain", "fsdp2", "hsdp", "fsdp1")
 
 
 def wrap(model: torch.nn.Module, wrapper: str,
          layers: Iterable[torch.nn.Module] | None = None) -> torch.nn.Module:
     """`layers`: the units to shard; default: a causal LM's `model.layers`."""
     layers = list(layers) if layers is not None else list(model.model.layers)
-    if wrapper == "fsdp2":
+    if wrapper in ("fsdp2", "hsdp"):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                                mesh_dim_names=("replicate", "shard")) \
+            if wrapper == "hsdp" else None
         for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     if wrapper == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -46,7 +53,7 @@ def wrap(model: torch.nn.Module, wrapper: str,
 def full_state_dict(model: torch.nn.Module, wrapper: str) -> dict[str, torch.Tensor]:
     """Name -> a detached copy, names as torch prints them for that wrapper
     (FSDP1's wrapper prefixes cleaned)."""
-    if wrapper == "fsdp2":
+    if wrapper in ("fsdp2", "hsdp"):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,

@@ -8,7 +8,8 @@ state dict. Rank 0 writes a JSON report; tests/test_own_rows_units.py asserts.
 The model is row_blocks_worker's (301 rows over 3 ranks: 101, 101, 99; a
 2-row weight that rank 2 holds none of; a 1-D vector; a 3-D tensor) plus a
 persistent int64 buffer every rank holds whole. `--shard-dim 1` shards on
-another dim, which is not rows: the reason names it.
+another dim, which is not rows: the reason names it. Also reported: the
+pieces each rank's delta diffs (shard_pieces.py), against the same state dict.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     from rollout_sidecar.server.weights.manifest_check import check_manifest
     from rollout_sidecar.server.weights.worker.staging import Staging
     from rollout_sidecar.trainer.collectives import all_gather_object
+    from rollout_sidecar.trainer.delta.shard_pieces import shard_pieces
     from rollout_sidecar.trainer.gather.own_rows import OwnRows, rank_pieces, why_not
     from rollout_sidecar.trainer.pack.buckets import manifest
     from rollout_sidecar.trainer.pack.rank_buckets import plan_rank_buckets
@@ -64,10 +66,15 @@ def body(args: argparse.Namespace, rank: int) -> dict:
     finally:
         DTensor.full_tensor = full_tensor
     shares = all_gather_object((capture.sent, checks, err))
+    # What a delta diffs on each rank (trainer/delta/shard_pieces.py): its own rows too.
+    mine = shard_pieces(model, rank, ["routes"])
+    diffed = all_gather_object(None if mine is None else
+                               [(p.name, p.start, p.data.clone()) for p in mine])
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     full["routes"] = model.routes
     if rank != 0:
         return report
+    report["delta_pieces"] = _pieces_against(full, diffed)
     sent, values = {}, {}
     for r, (got, share_checks, share_err) in enumerate(shares):
         assert share_err is None, (r, share_err)
@@ -98,6 +105,24 @@ def body(args: argparse.Namespace, rank: int) -> dict:
         mismatched=[n for n, t in full.items() if not torch.equal(
             got[n], t.to(WIRE) if t.is_floating_point() else t)])
     return report
+
+
+def _pieces_against(full: dict[str, torch.Tensor], by_rank: list) -> dict:
+    """Every rank's delta pieces against torch's full state dict: each
+    element of each tensor in exactly one piece, holding its value."""
+    if any(p is None for p in by_rank):
+        return {"covered": False, "why": "a rank's layout is not covered"}
+    seen = {n: torch.zeros(t.numel(), dtype=torch.int64) for n, t in full.items()}
+    mismatched = set()
+    for pieces in by_rank:
+        for name, start, data in pieces:
+            seen[name][start: start + data.numel()] += 1
+            if not torch.equal(full[name].reshape(-1)[start: start + data.numel()], data):
+                mismatched.add(name)
+    return {"covered": True,
+            "not_once": sorted(n for n, c in seen.items() if not bool((c == 1).all())),
+            "mismatched": sorted(mismatched),
+            "elements_by_rank": [sum(d.numel() for _, _, d in p) for p in by_rank]}
 
 
 if __name__ == "__main__":

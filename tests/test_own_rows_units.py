@@ -1,7 +1,8 @@
 """Every trainer rank sends its own FSDP2 rows, nothing gathered
 (trainer/gather/own_rows.py): the planner's layout, and a real 3-rank gloo
 FSDP2 model whose buckets, staged and reassembled by the server's own code,
-equal torch's full state dict bit for bit (tests/own_rows_worker.py)."""
+equal torch's full state dict bit for bit (tests/own_rows_worker.py); a
+delta's pieces (trainer/delta/shard_pieces.py) are the same rows, HSDP's too."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def test_own_rows_staged_by_the_server_equal_torch_full_state_dict(tmp_path, buc
     # rows, and none of the 2-row weight), and the sharded tensors' chunks lie
     # in buckets of different ranks, not one after the other.
     assert set(r["senders"]) == {0, 1, 2}
+    _delta_pieces_are_own_rows(r, 3)
     total = sum(r["bytes_by_rank"])
     assert all(0.25 * total < b < 0.42 * total for b in r["bytes_by_rank"]), r["bytes_by_rank"]
     if bucket == "1024":  # several buckets a rank
@@ -96,3 +98,16 @@ def test_hsdp_replica_groups_each_send_a_part_of_their_rows(tmp_path):
     assert set(r["senders"]) == {0, 1, 2, 3}
     total = sum(r["bytes_by_rank"])
     assert all(0.15 * total < b < 0.35 * total for b in r["bytes_by_rank"]), r["bytes_by_rank"]
+    # A delta diffs the same parts: every element once across both replica groups.
+    _delta_pieces_are_own_rows(r, 4)
+
+
+def _delta_pieces_are_own_rows(r: dict, world: int) -> None:
+    """Each rank's delta pieces (shard_pieces.py) hold every element of every
+    tensor exactly once, with torch's values, spread over the ranks."""
+    d = r["delta_pieces"]
+    assert d["covered"], d
+    assert d["not_once"] == [] and d["mismatched"] == [], d
+    total = sum(d["elements_by_rank"])
+    assert all(0.6 / world * total < n < 1.4 / world * total
+               for n in d["elements_by_rank"]), d["elements_by_rank"]

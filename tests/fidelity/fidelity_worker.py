@@ -1,6 +1,6 @@
 """Run under torchrun (2 ranks, gloo): prove served = trained for one family.
 
-For each wrapper in --wrappers (fsdp2, fsdp1): load the checkpoint in fp32,
+For each wrapper in --wrappers (fsdp2, hsdp, fsdp1): load the checkpoint in fp32,
 take one optimizer step, take torch's own full state dict (FSDP2:
 `get_model_state_dict(full_state_dict=True)`; FSDP1: `summon_full_params`,
 since its full state dict segfaults on CPU), push, then compare the server's
@@ -157,14 +157,20 @@ def sparse_update(model: torch.nn.Module, rank: int) -> None:
     # As in training, a backward first: FSDP1 keeps the root gathered after
     # the probe's forward until one (a delta then goes dense: shard_pieces.py).
     model(input_ids=torch.tensor([PROMPT])).logits.sum().mul(0).backward()
-    pieces = shard_pieces(model, rank) or []
+    params = [p for _, p in model.named_parameters()]
+    if params and all(hasattr(p, "to_local") for p in params):
+        # FSDP2 and HSDP: each shard, moved alike in every replica group that
+        # holds it (seeded by its place on the shard dim), as a step would.
+        shards = [(p.to_local().view(-1), p.device_mesh.get_coordinate()[-1]) for p in params]
+    else:
+        shards = [(piece.data, rank) for piece in shard_pieces(model, rank) or []]
     with torch.no_grad():
-        for i, piece in enumerate(pieces):
-            if not piece.data.is_floating_point() or piece.data.numel() == 0:
+        for i, (data, shard) in enumerate(shards):
+            if not data.is_floating_point() or data.numel() == 0:
                 continue
-            g = torch.Generator().manual_seed(1000 * rank + i)
-            hit = torch.rand(piece.data.numel(), generator=g) < 0.02
-            piece.data[hit] += 0.05 * torch.randn(int(hit.sum()), generator=g)
+            g = torch.Generator().manual_seed(1000 * shard + i)
+            hit = torch.rand(data.numel(), generator=g) < 0.02
+            data[hit] += 0.05 * torch.randn(int(hit.sum()), generator=g)
 
 
 def arguments(ap: argparse.ArgumentParser) -> None:

@@ -31,6 +31,9 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("fidelity_worker.py")
 FP32_TOL = 1e-4
 FSDP1_FAMILIES = {"llama-tied-gqa", "qwen2-tied-bias", "glm4-moe"}
+# HSDP (2 replica groups of 1 shard on the 2 ranks): both send half of every
+# tensor's rows, and a delta diffs the same halves.
+HSDP_FAMILIES = {"qwen2-tied-bias"}
 # bf16: the families whose bf16 serving differs most (a tied head's CPU
 # prepack, fused checkpoint tensors, MoE prepack); biases and the other
 # families' layouts are proven exact in fp32, where any error shows.
@@ -133,7 +136,10 @@ def test_served_equals_trained_in_fp32_with_tensor_parallel_2(fp32_tp2_family, t
 
 def served_equals_trained(fp32_family: FamilyServer, tmp_path: Path) -> None:
     """Each wrapper's dense push after a step, then a delta: served = trained."""
-    wrappers = "fsdp2,fsdp1" if fp32_family.family in FSDP1_FAMILIES else "fsdp2"
+    # HSDP after FSDP1, whose flat layout its shard copies cannot patch: its
+    # first push goes dense (after FSDP2's, the same rows, it would be a delta).
+    wrappers = ",".join(["fsdp2"] + ["fsdp1"] * (fp32_family.family in FSDP1_FAMILIES)
+                        + ["hsdp"] * (fp32_family.family in HSDP_FAMILIES))
     runs = run_worker(fp32_family, tmp_path, wrappers, scenario="delta")
     # Each wrapper's step, then a sparse update pushed as a delta on top of it.
     assert [r["wrapper"] for r in runs] == [n for w in wrappers.split(",")
@@ -154,7 +160,7 @@ def served_equals_trained(fp32_family: FamilyServer, tmp_path: Path) -> None:
         # goes from rank 0 alone.
         if fp32_family.family in MOE:
             assert r["senders"] == 1 and not r["own_rows"], r
-        elif r["encoding"] == "dense" and r["wrapper"] == "fsdp2":
+        elif r["encoding"] == "dense" and r["wrapper"] in ("fsdp2", "hsdp"):
             assert r["senders"] == 2 and r["own_rows"], r
         elif r["encoding"] == "dense":
             assert not r["own_rows"] and "FSDP1" in r["own_rows_reason"], r

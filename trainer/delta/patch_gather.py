@@ -4,10 +4,10 @@ Two collectives per push before the begin (`DeltaDiff.stats`: each rank's
 counts, all-gathered so every rank computes the same plan), then one gather
 per bucket (`DeltaDiff.patches`): each rank sends rank 0 its changed
 (position, value) pairs of that bucket's tensors, or its whole piece of a
-tensor that travels dense; rank 0 joins the ranks' parts in rank order (their
-ranges ascend with the rank, so positions stay sorted) and encodes each
-tensor's patch. Every rank walks the same buckets, so the gathers line up;
-only rank 0's generator yields.
+tensor that travels dense; rank 0 joins the ranks' parts by where they start
+(disjoint ranges, so positions stay sorted; with HSDP rank order is not
+tensor order) and encodes each tensor's patch. Every rank walks the same
+buckets, so the gathers line up; only rank 0's generator yields.
 
 One payload per rank and bucket, int64-aligned:
     [m] [m x (tensor, start, count)] [positions of the patch entries] [values]
@@ -132,7 +132,8 @@ class DeltaDiff:
                 # A failure is yielded, not raised: rank 0 must still join
                 # every later bucket's gather (the sender reports it).
                 try:
-                    patch: Patch | Exception = _join(plans[t], by_tensor.get(t, []))
+                    patch: Patch | Exception = _join(
+                        plans[t], sorted(by_tensor.get(t, []), key=lambda e: e[0]))
                 except Exception as e:
                     patch = e
                 yield plans[t].name, patch
@@ -162,7 +163,8 @@ def _parse(raw: torch.Tensor, plans: list[TensorPlan]
 
 def _join(plan: TensorPlan, parts: list[tuple[int, torch.Tensor | None, torch.Tensor]]
           ) -> Patch:
-    """The ranks' parts (in rank order, ascending ranges) as one patch."""
+    """The ranks' parts (disjoint ranges, by start: with HSDP rank order is
+    not tensor order) as one patch."""
     values = torch.cat([v for _, _, v in parts]) if parts else torch.empty(0, dtype=plan.dtype)
     if values.numel() != plan.changed:
         raise RuntimeError(f"{plan.name}: the ranks sent {values.numel()} changed values, "

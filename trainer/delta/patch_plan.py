@@ -83,12 +83,13 @@ def choose_forms(names: list[str], shapes: list[tuple[int, ...]], dtypes: list[t
 def _max_gap(per_rank: list[list[int]]) -> int:
     """The largest gap the gaps form would store: inside each rank's piece,
     between one rank's last change and the next one's first, and the first
-    change's distance from 0. Ranks hold ascending ranges."""
+    change's distance from 0. Ranks hold disjoint ranges, in rank order with
+    FSDP2, not with HSDP (replica groups split each shard): taken by first
+    change."""
     gap, prev = 0, 0
-    for count, first, last, inner in per_rank:
-        if count:
-            gap = max(gap, inner, first - prev)
-            prev = last
+    for _, first, last, inner in sorted((r for r in per_rank if r[0]), key=lambda r: r[1]):
+        gap = max(gap, inner, first - prev)
+        prev = last
     return gap
 
 

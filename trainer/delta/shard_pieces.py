@@ -5,16 +5,19 @@ its part of every tensor as flat runs of elements: a `Piece` is one run, a
 view of the rank's own storage and the flat index where it starts in the
 whole tensor (C order). Three layouts:
 
-- FSDP2 (`fully_shard`): a parameter sharded on dim 0 over a 1-D mesh; its
-  local rows start at the global offset torch itself computes for the DTensor;
+- FSDP2 (`fully_shard`): a parameter sharded on dim 0, over a 1-D mesh or
+  HSDP's 2-D one (replicated on its first dim); each rank's piece is the
+  rows it sends as its own (trainer/gather/own_rows.py): its whole shard
+  with FSDP2, a part of it with HSDP, where every replica group holds the
+  same shards and each diffs a part;
 - FSDP1: each unit's flat parameter holds a contiguous range of the unsharded
   flat parameter, and `_shard_param_infos` says which part of which original
   parameter it covers;
 - plain modules and DDP: every rank holds everything, so rank 0 alone diffs.
 
 Persistent buffers are never sharded: rank 0 holds them. A layout these do
-not cover (HSDP's 2-D mesh, shards on another dim) returns None, and the push
-stays dense.
+not cover (shards on another dim, tensor parallelism) returns None, and the
+push stays dense.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from rollout_sidecar.trainer.gather.full_tensors import (
     persistent_buffers,
 )
 from rollout_sidecar.trainer.gather.names import normalize_name
+from rollout_sidecar.trainer.gather.own_rows import held_and_sent, row_groups
 
 
 @dataclass
@@ -68,29 +72,32 @@ def _by_param(model: nn.Module, rank: int) -> list[Piece] | None:
             if rank == 0:
                 out.append(Piece(normalize_name(name), 0, p.reshape(-1)))
             continue
-        start = _dim0_start(p)
-        if start is None:
+        piece = _rows_piece(normalize_name(name), p, rank)
+        if piece is None:
             return None
-        local = p.to_local()
-        if not local.is_contiguous():
-            return None
-        out.append(Piece(normalize_name(name), start, local.view(-1)))
+        out.append(piece)
     return out
 
 
-def _dim0_start(p: torch.Tensor) -> int | None:
-    """The flat index of this rank's first local element, for a parameter
-    sharded on dim 0 over a 1-D mesh (FSDP2's default), else None."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    placements = p.placements
-    if p.device_mesh.ndim != 1 or len(placements) != 1:
+def _rows_piece(name: str, p: torch.Tensor, rank: int) -> Piece | None:
+    """The rows of a dim-0 sharded DTensor this rank diffs: the rows it would
+    send as its own (own_rows.py), so that with HSDP, where every replica
+    group holds the same shards, each rank diffs model / N and no element is
+    diffed twice. None: another placement, or a shard not laid out as those
+    rows."""
+    try:
+        groups = row_groups(p)
+    except ValueError:
         return None
-    if type(placements[0]) is not Shard or placements[0].dim != 0 or p.dim() == 0:
+    parts = held_and_sent(p.shape[0], groups)
+    if rank not in parts:
         return None
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
-    return offset[0] * math.prod(p.shape[1:])
+    (held, held_end), (first, end) = parts[rank]
+    local = p.to_local()
+    if tuple(local.shape) != (held_end - held, *p.shape[1:]) or not local.is_contiguous():
+        return None
+    row = math.prod(p.shape[1:])
+    return Piece(name, first * row, local.view(-1)[(first - held) * row: (end - held) * row])
 
 
 def _fsdp1(model: nn.Module, rank: int) -> list[Piece] | None:

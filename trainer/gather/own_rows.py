@@ -65,7 +65,7 @@ class Piece:
         return self.first == 0 and self.end == (self.shape[0] if self.shape else 1)
 
 
-def _row_groups(p: torch.Tensor) -> list[list[int]]:
+def row_groups(p: torch.Tensor) -> list[list[int]]:
     """The global ranks holding DTensor `p`'s row shards: one list per copy
     of the model (FSDP2: one; HSDP: one per replica group), each in shard
     order. ValueError unless it is sharded on dim 0, over a 1-D mesh or an
@@ -87,7 +87,7 @@ def _rows(d0: int, n: int) -> list[tuple[int, int]]:
     return [(min(i * c, d0), min((i + 1) * c, d0)) for i in range(n)]
 
 
-def _held_and_sent(d0: int, groups: list[list[int]]) -> dict[int, tuple[tuple[int, int],
+def held_and_sent(d0: int, groups: list[list[int]]) -> dict[int, tuple[tuple[int, int],
                                                                          tuple[int, int]]]:
     """Each rank's rows held and rows it sends: shard s of every replica
     group holds the same rows, and replica group g sends part g of them
@@ -113,13 +113,13 @@ def why_not(model: nn.Module, world: int) -> str | None:
         if not hasattr(p, "placements"):
             continue  # held whole
         try:
-            groups = _row_groups(p)
+            groups = row_groups(p)
         except ValueError as e:
             return f"{normalize_name(name)} is not a row shard: {e}"
         if sorted(r for g in groups for r in g) != list(range(world)):
             return f"{normalize_name(name)} is sharded over ranks {groups}, not the {world} " \
                 "trainer ranks"
-        (first, end), _ = _held_and_sent(p.shape[0], groups)[me]
+        (first, end), _ = held_and_sent(p.shape[0], groups)[me]
         if tuple(p.to_local().shape) != (end - first, *p.shape[1:]):
             return (f"{normalize_name(name)}: this rank holds {list(p.to_local().shape)}, "
                     f"not rows {first}..{end} of {list(p.shape)}")
@@ -146,7 +146,7 @@ def rank_pieces(model: nn.Module, world: int, buffers: Sequence[str] = ()
             whole(name, p)
             continue
         row_bytes = math.prod(p.shape[1:]) * p.element_size()
-        for r, (_, (first, end)) in sorted(_held_and_sent(p.shape[0], _row_groups(p)).items()):
+        for r, (_, (first, end)) in sorted(held_and_sent(p.shape[0], row_groups(p)).items()):
             if end > first:
                 out[r].append(Piece(name, tuple(p.shape), p.dtype, first, end))
                 load[r] += (end - first) * row_bytes
@@ -179,7 +179,7 @@ class OwnRows:
         if cursor is None:
             first = 0
             if sharded:  # the rows this rank holds start there
-                first = _held_and_sent(p.shape[0], _row_groups(p))[dist.get_rank()][0][0]
+                first = held_and_sent(p.shape[0], row_groups(p))[dist.get_rank()][0][0]
             cursor = FlatCursor(local, start=first * math.prod(p.shape[1:]), numel=p.numel())
             self._cursors[slot.name] = cursor
         return cursor
