@@ -118,9 +118,11 @@ def measure_in(prefix: list[str], delta_urls: list[str], dense_urls: list[str], 
 
 
 # PushResult.timings: diff (delta only), begin (opening and diff included), gather
-# and send, the server's commit (drain, apply, load, publish), then the probe
-# (the shard copy's update included).
-STEPS = ("diff_s", "begin_s", "gather_send_s", "server_commit_s", "probe_s", "total_s")
+# and send, a delta's patches into the staged copy (after the check, before the
+# commit), the server's commit (drain, pause, load, publish) and its load, then
+# the probe (the shard copy's update included).
+STEPS = ("diff_s", "begin_s", "gather_send_s", "server_patch_s", "server_commit_s",
+         "server_load_s", "probe_s", "total_s")
 
 
 def report(res: dict[str, list[dict]], args: argparse.Namespace, wall: float) -> None:

@@ -74,6 +74,7 @@ class Push:
     outcome: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop()
                                     .create_future())
     prepared: asyncio.Future | None = None  # set by the first prepare
+    patch_s: float | None = None  # a delta: its patches' seconds, after its check (commit.py)
 
     @property
     def distributed(self) -> bool:

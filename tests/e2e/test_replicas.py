@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from rollout_sidecar.client import GenerationClient
 from rollout_sidecar.trainer import PartialCommitError, ReplicaLostError, WeightPushError
@@ -42,7 +43,7 @@ TOKENS = {"ROLLOUT_SIDECAR_API_TOKEN": secrets.token_hex(8),
           "ROLLOUT_SIDECAR_ADMIN_TOKEN": secrets.token_hex(8)}
 BUDGET = {"ROLLOUT_SIDECAR_PUSH_TIMEOUT_S": str(PUSH_TIMEOUT_S), **TOKENS}
 REPLICA_A = ServerSpec.of("replica-a", env=BUDGET)
-REPLICA_B = ServerSpec.of("replica-b", env=BUDGET)
+REPLICA_B = ServerSpec.of("replica-b", env=BUDGET, failpoints=True)  # a refused check
 
 
 class Pair:
@@ -147,6 +148,54 @@ def test_a_push_under_rollouts_reaches_both_replicas_identically(pair, tmp_path)
     assert len(seen) >= 10 and all(got >= want for want, got in seen), seen
     assert {got for _, got in seen} >= {floor[0]}  # the last push was served
     assert all(n == 0 for n in served_by.values())
+
+
+def test_a_delta_refused_by_one_replica_leaves_the_old_version_and_the_next_push_dense(pair):
+    """A delta's patches go into each replica's staged copy at its prepare,
+    outside the commit window (server/weights/commit.py). B refuses its
+    prepare (a corrupted bucket: the check), so A, which prepared and
+    patched, is aborted: both keep serving the old version, neither may
+    take a delta against a half-patched copy, so the next push is dense, and
+    both then serve the trainer's weights (the probe, and bit-identical
+    answers on both)."""
+    from rollout_sidecar.trainer import WeightPusher, WeightPushError
+    from tests.reliability.conftest import model_of
+
+    model = model_of(pair.a)
+    g = torch.Generator().manual_seed(7)
+
+    def sparse_step() -> None:  # 1% of every tensor's elements move
+        with torch.no_grad():
+            for p in model.parameters():
+                hit = torch.rand(p.shape, generator=g) < 0.01
+                p[hit] += 0.05 * torch.randn(int(hit.sum()), generator=g)
+
+    v = max(pair.versions())
+    with WeightPusher(pair.url, admin_token=pair.a.admin_token, bucket_mb=1) as pusher:
+        for _ in range(2):  # the base, then a delta on both
+            sparse_step()
+            v += 1
+            r = pusher.push(model, version=v)
+        assert r.encoding == "delta" and pair.versions() == [v, v], r
+        sparse_step()
+        pair.b.failpoints.write_text("check.corrupt")
+        try:
+            with pytest.raises(WeightPushError, match="failed before the commit"):
+                pusher.push(model, version=v + 1)
+        finally:
+            pair.b.failpoints.write_text("")
+        assert pair.versions() == [v, v]  # nothing published anywhere
+        with pair.a.client() as c:
+            assert c.generate(["still v?"], sampling=dict(max_tokens=2)).weight_version == v
+        r = pusher.push(model, version=v + 1)
+    assert r.encoding == "dense" and "holds nothing it can patch" in r.delta_reason, r
+    assert r.probe is not None and r.probe.passed, r
+    answers = []
+    for s in pair.servers:
+        with s.client() as c:
+            o = samples_alone(c, [5, 6, 7, 8])
+        answers.append((o.weight_version, [x.logprobs for x in o.results[0].samples]))
+    assert answers[0] == answers[1] and answers[0][0] == v + 1
 
 
 def settle(pair: Pair) -> int:
