@@ -12,10 +12,11 @@ abort all of them. One replica may also `commit` without a prepare: both
 phases in one call.
 
 A delta's patches are written into the staged copy in phase 1, not inside
-the commit window: they change nothing generation reads, so requests keep
-decoding while they apply, and a delta's commit is the load alone, as a
-dense one's (a 1% delta's patches took 0.036-0.071 s of its paused commit on
-2 cores, bench/push_delta.py). The staged copy then holds neither version
+the commit window: they change nothing generation reads, so they need no
+drain, no pause and no dropped cache (the engine runs the call between two
+steps, as it runs CHECK), and a delta's commit is the load alone, as a dense
+one's (a 1% delta's patches took 0.036-0.071 s of its paused commit on 2
+cores, bench/push_delta.py). The staged copy then holds neither version
 until a load: a push aborted after it makes the next one dense.
 
 A refusal before LOAD's point of no return leaves the old weights serving; a
