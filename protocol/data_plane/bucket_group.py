@@ -194,7 +194,9 @@ def relay_buckets(group: DataPlaneGroup, routes: Sequence[tuple[int, int | None]
     instead of taking turns. gloo matches a pair's messages in the order they
     were posted, so the next rank, which posts in the same order, gets each
     piece where it belongs. `landing` sees bucket k's pieces in order, while
-    later ones arrive, and hears when its last piece went on (landing.py)."""
+    later ones arrive, and hears when its last piece went on (landing.py):
+    at once, where this rank is the bucket's last, so a receiver that lends
+    buffers holds `window` of them, not one more while the next is posted."""
     posted: deque[list[tuple[Any, _Works]]] = deque()
     forwarding: tuple[int, list[_Works]] | None = None  # the previous bucket's sends on
     following = 0  # the next bucket to post
@@ -212,6 +214,9 @@ def relay_buckets(group: DataPlaneGroup, routes: Sequence[tuple[int, int | None]
             landing.piece(k, piece)
         _passed_on(landing, forwarding)  # long done: the next rank took it meanwhile
         forwarding = (k, sends)
+        if not sends:  # this rank is the bucket's last: its buffer is free before
+            _passed_on(landing, forwarding)  # the next one is posted (window, not window + 1)
+            forwarding = None
     _passed_on(landing, forwarding)
 
 
