@@ -60,9 +60,10 @@ class DropTransport:
     buffer_device = torch.device("cpu")
     checksum_in_request = False
     bucket_macs = None
+    slot_pieces = False
 
-    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
-             ) -> Any:
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None,
+             pieces: Any = None) -> Any:
         return self
 
     def wait(self) -> None:

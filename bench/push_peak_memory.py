@@ -14,9 +14,9 @@ measured ones.
 Measured on the server's whole process tree (API process, engine core, TP
 workers), by the kernel: before each push rank 0 resets every process's
 high-water mark (`/proc/PID/clear_refs` = 5) and reads its RSS; after it,
-its VmHWM. Printed: the tree's peak during a push (the sum of the VmHWMs,
-the largest over the pushes) and how far above its RSS before the push it
-went; the staged bytes the server reports (`WeightStatus.staged_bytes`:
+its VmHWM. Printed: the tree's peak during a push (the sum of the VmHWMs:
+the largest over the pushes, and their median) and how far above its RSS
+before the push it went; the staged bytes the server reports (`WeightStatus.staged_bytes`:
 staged copy, places, receive buffers, pool); the push's seconds. Memory a
 load frees goes back to the allocator, not always to the kernel, so a
 copy made at every load shows in the peak more than in the rise. Shared
@@ -174,20 +174,22 @@ def main() -> None:
                                     *["-"] * (len(HEADERS) - 3)])
                 else:
                     results.append([tp, way, max(r["peak"] for r in rows) / 2**20,
+                                    median([r["peak"] for r in rows]) / 2**20,
                                     median([r["rise"] for r in rows]) / 2**20,
                                     staged / 2**20, staged / wire,
                                     median([r["seconds"] for r in rows])])
                 print(table(HEADERS, results[-1:]), flush=True)
-    base = {r[0]: r[2] for r in results if r[1] == "gathered" and r[3] != "-"}
+    base = {r[0]: (r[2], r[3]) for r in results if r[1] == "gathered" and r[3] != "-"}
     for r in results:
-        r.append(f"{r[2] / base[r[0]]:.2f}x" if r[0] in base and r[3] != "-" else "-")
+        r += [f"{r[k] / base[r[0]][k - 2]:.3f}x" if r[0] in base and r[3] != "-" else "-"
+              for k in (2, 3)]
     print(f"\n{machine()}; {args.size} Llama in fp32 ({wire / 2**20:.0f} MiB), 2 FSDP2 ranks, "
           f"{args.bucket_mb:g} MiB buckets, {args.repeats} dense pushes a way, a server each\n")
-    print(table([*HEADERS, "peak / gathered's"], results))
+    print(table([*HEADERS, "peak / gathered's", "median peak / gathered's"], results))
 
 
-HEADERS = ["TP", "push", "peak MiB", "rise MiB (median)", "staged MiB", "staged / model",
-           "push s"]
+HEADERS = ["TP", "push", "peak MiB", "peak MiB (median)", "rise MiB (median)", "staged MiB",
+           "staged / model", "push s"]
 
 if __name__ == "__main__":
     main()

@@ -11,10 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_sidecar.protocol.data_plane.bucket_group import (
-    CHAIN_CHUNK_BYTES,
-    send_bucket,
-)
+from rollout_sidecar.protocol.data_plane.bucket_group import send_bucket
+from rollout_sidecar.protocol.data_plane.bucket_pieces import CHAIN_CHUNK_BYTES
 from rollout_sidecar.protocol.data_plane.chain_steps import chain_steps, relay_steps
 from rollout_sidecar.protocol.data_plane.landing import InPlace
 from tests.gloo_threads import run_ranks

@@ -262,3 +262,15 @@ def test_a_server_that_requires_a_secret_or_tags_refuses_a_connect_without_by_fi
     assert plane.requires() == [r for r, on in (("data_plane_secret", required.get(
         "require_data_plane_secret")), ("bucket_macs", required.get("require_bucket_macs")))
         if on]
+
+
+@pytest.mark.parametrize("body", [{"slot_pieces": True},  # fanout broadcast: no relay
+                                  {"slot_pieces": True, "fanout": "chain", "backend": "nccl"}])
+def test_slot_pieces_are_refused_by_field_where_no_gloo_chain_relays_them(body):
+    """Only gloo's chain receives a bucket slot by slot (bucket_pieces.py);
+    a connect that asks for it elsewhere is refused before any worker is told."""
+    llm = _FakeLLM()
+    plane = DataPlane(llm, _settings())
+    with pytest.raises(BadRequest) as e:
+        asyncio.run(plane.connect(ConnectRequest(connection_id="c1", **body)))
+    assert e.value.field == "slot_pieces" and llm.ops == []

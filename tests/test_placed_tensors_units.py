@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 import torch
 
+from rollout_sidecar.protocol.data_plane.bucket_check import bucket_check
 from rollout_sidecar.protocol.data_plane.bucket_group import send_bucket
 from rollout_sidecar.protocol.data_plane.bucket_mac import bucket_mac
+from rollout_sidecar.protocol.data_plane.bucket_pieces import spans
 from rollout_sidecar.protocol.data_plane.wire_format import slot_bytes
-from rollout_sidecar.protocol.schema import BucketManifest
+from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
 from rollout_sidecar.server.weights.worker.bucket_receive import receive_broadcast, receive_chain
 from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
 from rollout_sidecar.server.weights.worker.placed_tensors import ReceiveBuffers
@@ -81,30 +83,38 @@ def assert_staged(staging: Staging, m: dict[str, torch.Tensor], sent: list[torch
         assert got[name].data_ptr() == dict(staging.tensors())[name].data_ptr()  # a view
 
 
-@pytest.mark.parametrize("replicas, relay", [(1, "gloo"), (2, "gloo"), (2, "fused-steps")])
+@pytest.mark.parametrize("replicas, relay", [(1, "gloo"), (2, "gloo"), (2, "fused-steps"),
+                                             (1, "gloo-slot-pieces"), (2, "gloo-slot-pieces")])
 def test_own_rows_of_two_senders_land_in_place_through_the_chain(replicas: int, relay: str
                                                                   ) -> None:
     """`fused-steps`: NCCL's relay (chain_steps.py), its host staging landing
-    through slots, run over gloo as tests/test_chain_steps_units.py does."""
+    through slots, run over gloo as tests/test_chain_steps_units.py does.
+    `gloo-slot-pieces`: every bucket cut slot by slot (bucket_pieces.py) on
+    the senders' side, as the trainer sends it, and each piece received
+    straight into its place: no receive buffer at all."""
     m = model()
     manifest = own_rows(m, 2, bucket=4096)
     assert {b.source for b in manifest} == {0, 1}
     assert all(any(p.chunk_offset is not None for p in b.params) for b in manifest)
+    assert any(len(b.params) > 1 for b in manifest)  # slots side by side in a bucket
     sent = [packed(m, b) for b in manifest]
     senders, world = 2, 2 + replicas
+    slot_pieces = relay == "gloo-slot-pieces"
     stagings: dict[int, Staging] = {}
 
     def body(rank: int, group: Any) -> None:
         if rank < senders:
-            works = [send_bucket(group, s, "chain", first_receiver=senders)
+            works = [send_bucket(group, s, "chain", first_receiver=senders,
+                                 pieces=spans(b.nbytes, b.params) if slot_pieces else None)
                      for s, b in zip(sent, manifest, strict=True) if b.source == rank]
             for w in works:
                 w.wait()
             return
         st = stagings[rank] = Staging()
         st.allocate(manifest, CPU)
-        if relay == "gloo":
-            receive_chain(group, st, rank, world, KEY, senders, "crc32", "gloo", CPU)
+        if relay.startswith("gloo"):
+            receive_chain(group, st, rank, world, KEY, senders, "crc32", "gloo", CPU,
+                          slot_pieces=slot_pieces)
         else:
             receive_chain(_WithSlots(group), st, rank, world, KEY, senders, "crc32", "nccl")
 
@@ -114,9 +124,11 @@ def test_own_rows_of_two_senders_land_in_place_through_the_chain(replicas: int, 
         # Every bucket held a chunk, so none is kept; their buffers were lent
         # and returned, never more than the relay's window (senders) + 2 at once.
         assert all(b.scattered and b.buffer.numel() == 0 for b in st.buckets)
-        assert st.lent.out == 0 and 1 <= st.lent.most <= 2 * senders, st.lent.most
+        assert st.lent.out == 0 and int(not slot_pieces) <= st.lent.most <= 2 * senders
         if relay == "gloo" and rank == world - 1:  # the chain's last: nothing to forward
             assert st.lent.most == senders, st.lent.most  # window, not window + 1
+        if slot_pieces:  # every piece went straight to its place (or a gap's bytes)
+            assert st.lent.most == 0 and st.lent.held_bytes == 0, st.lent.most
         model_bytes = sum(t.numel() * 4 for t in m.values())
         assert st.places.held_bytes == model_bytes
         assert st.lent.held_bytes <= (senders + 2) * max(b.nbytes for b in manifest)
@@ -237,3 +249,56 @@ def test_idle_receive_buffers_give_their_pages_back_and_serve_the_next_push() ->
     again.fill_(3)
     assert int((again == 3).sum()) == again.numel()
     assert lent.most == 2 and lent.held_bytes == 16 << 20
+
+
+def test_slot_pieces_cut_each_slot_and_gap_and_refuse_overlaps() -> None:
+    """The cut both ends make from the manifest alone: a piece per slot (a
+    long one in pieces of at most `most`), a piece per gap, in byte order."""
+    chunk = TensorSlot(name="a", dtype="float32", shape=[10], offset=8, chunk_offset=0,
+                       nbytes=24)
+    whole = TensorSlot(name="b", dtype="float32", shape=[10], offset=40)
+    assert spans(100, [whole, chunk], most=16) == [
+        (0, 8), (8, 24), (24, 32), (32, 40), (40, 56), (56, 72), (72, 80), (80, 100)]
+    assert spans(64, [chunk.model_copy(update={"offset": 0}), whole.model_copy(
+        update={"offset": 24})]) == [(0, 24), (24, 64)]
+    with pytest.raises(ValueError, match="overlaps"):
+        spans(100, [chunk, whole.model_copy(update={"offset": 28})])
+    with pytest.raises(ValueError, match="leaves the bucket"):
+        spans(60, [whole])
+
+
+@pytest.mark.parametrize("check", ["crc32", "sum64"])
+def test_slot_pieces_with_gaps_land_in_place_and_check_the_bytes_sent(check: str) -> None:
+    """Gaps between slots (garbage from a reused send buffer) are received and
+    counted in the check, never kept; each slot lands straight in its place.
+    sum64 has no running form, so its buckets land through a lent buffer,
+    cut the same way."""
+    g = torch.Generator().manual_seed(5)
+    m = {"a": torch.randn(10, generator=g), "b": torch.randn(10, generator=g)}
+    manifest = [
+        BucketManifest(index=0, nbytes=100, sender=0, params=[
+            TensorSlot(name="a", dtype="float32", shape=[10], offset=8, chunk_offset=0,
+                       nbytes=24),
+            TensorSlot(name="b", dtype="float32", shape=[10], offset=40)]),
+        BucketManifest(index=1, nbytes=24, sender=0, params=[
+            TensorSlot(name="a", dtype="float32", shape=[10], offset=4, chunk_offset=24,
+                       nbytes=16)])]
+    sent = [packed(m, b) for b in manifest]
+    got: dict[str, Staging] = {}
+
+    def body(rank: int, group: Any) -> None:
+        if rank == 0:
+            for s, b in zip(sent, manifest, strict=True):
+                send_bucket(group, s, "chain", 1, spans(b.nbytes, b.params)).wait()
+            return
+        st = got["st"] = Staging()
+        st.allocate(manifest, CPU)
+        receive_chain(group, st, rank, 2, KEY, 1, check, "gloo", CPU, slot_pieces=True)
+
+    run_ranks(2, f"slot-pieces-{check}", body)
+    st = got["st"]
+    checks = bucket_check(check)
+    st.check([checks.compute(s) for s in sent], check)
+    staged = dict(st.tensors())
+    assert all(torch.equal(staged[n], t) for n, t in m.items())
+    assert st.lent.most == (0 if check == "crc32" else 1)

@@ -102,7 +102,7 @@ def test_the_admin_client_sends_each_body_as_the_routes_model():
     admin, sent = _admin_capturing()
     secret = bytes(range(32))
     admin.connect("c1", "gloo", 30.0, trainer_id="t", world_size=3, secret=secret,
-                  bucket_macs=False, senders=2, ring_starts=[2])
+                  bucket_macs=False, senders=2, ring_starts=[2], slot_pieces=True)
     admin.connect("c2", "nccl", 30.0)
     slot = {"name": "w", "dtype": "float32", "shape": [2], "offset": 0}
     admin.begin(3, "gloo", [{"index": 0, "nbytes": 8, "params": [slot]}], "c1", None, 9.0,
@@ -123,6 +123,7 @@ def test_the_admin_client_sends_each_body_as_the_routes_model():
     connect, plain = bodies[0], bodies[1]
     assert connect["secret"] == secret.hex() and connect["bucket_macs"] is False
     assert (connect["senders"], connect["ring_starts"], connect["world_size"]) == (2, [2], 3)
+    assert connect["slot_pieces"] is True and "slot_pieces" not in plain
     assert "senders" not in plain and "ring_starts" not in plain and "secret" not in plain
     assert plain["backend"] == "nccl" and "bucket_macs" not in plain
     assert bodies[2]["check"] == "sum64" and "check" not in bodies[3]

@@ -195,12 +195,13 @@ class LoopbackTransport:
     buffer_device = torch.device("cpu")
     checksum_in_request = False
     bucket_macs = None
+    slot_pieces = False
 
     def __init__(self) -> None:
         self.sent: dict[int, bytes] = {}
 
-    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
-             ) -> None:
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None,
+             pieces: object = None) -> None:
         self.sent[index] = bytes(buf.numpy())
 
 

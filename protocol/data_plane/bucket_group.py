@@ -21,7 +21,7 @@ Fan-out. NCCL's broadcast is already a pipelined ring. gloo's is a binomial
 tree of whole buffers: with two replicas rank 0 sends every bucket twice, one
 after the other, so a push to N receivers took about log2(N + 1) times one
 receiver's. `fanout="chain"` relays instead: rank 0 sends each bucket once, in
-`CHAIN_CHUNK_BYTES` pieces, to rank 1, which forwards each piece to rank 2
+`CHAIN_CHUNK_BYTES` pieces (bucket_pieces.py), to rank 1, which forwards each piece to rank 2
 while the next arrives, and so on; the last rank gets the bucket one piece
 after the first. The trainer asks for it at connect, so a server keeps
 following a trainer that predates it (plain broadcast).
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from rollout_sidecar.protocol.data_plane import nccl_group
+from rollout_sidecar.protocol.data_plane.bucket_pieces import Span, cut, even
 from rollout_sidecar.protocol.data_plane.landing import Landing
 from rollout_sidecar.protocol.data_plane.signed_store import (
     SignedStore,
@@ -48,7 +49,6 @@ from rollout_sidecar.protocol.data_plane.signed_store import (
 from rollout_sidecar.protocol.transports import Fanout, transport
 
 SENDER_RANK = 0
-CHAIN_CHUNK_BYTES = 16 << 20  # pipelines a 64+ MiB bucket; large enough to send at full speed
 
 
 class DataPlaneGroup:
@@ -163,18 +163,17 @@ class _Works:
             w.wait(self.timeout)
 
 
-def _pieces(buf: Any) -> list[Any]:
-    return [buf[i: i + CHAIN_CHUNK_BYTES] for i in range(0, buf.numel(), CHAIN_CHUNK_BYTES)]
-
-
 def send_bucket(group: DataPlaneGroup, buf: Any, fanout: Fanout,
-                first_receiver: int = SENDER_RANK + 1) -> _Works:
+                first_receiver: int = SENDER_RANK + 1, pieces: Sequence[Span] | None = None
+                ) -> _Works:
     """A sender: start sending one bucket (a flat uint8 tensor); returns what
     to wait on before the buffer is reused. In a chain it goes, in pieces, to
-    the first receiver: the rank after the trainer's senders."""
+    the first receiver: the rank after the trainer's senders; `pieces`: cut
+    slot by slot, else evenly (bucket_pieces.py)."""
     if fanout == "broadcast":
         return group.broadcast(buf)
-    sends = [group.send(p, first_receiver) for p in _pieces(buf)]
+    cuts = even(buf) if pieces is None else cut(buf, pieces)
+    sends = [group.send(p, first_receiver) for p in cuts]
     return _Works([w for s in sends for w in s.works], group.op_timeout)
 
 
@@ -202,8 +201,8 @@ def relay_buckets(group: DataPlaneGroup, routes: Sequence[tuple[int, int | None]
     following = 0  # the next bucket to post
     for k in range(len(routes)):
         while following < len(routes) and following < k + max(window, 1):
-            buf, (source, _) = landing.buffer(following), routes[following]
-            posted.append([(p, group.recv(p, source)) for p in _pieces(buf)])
+            pieces, (source, _) = landing.pieces(following), routes[following]
+            posted.append([(p, group.recv(p, source)) for p in pieces])
             following += 1
         to = routes[k][1]
         sends = []

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rollout_sidecar.protocol.data_plane.bucket_group import CHAIN_CHUNK_BYTES
+from rollout_sidecar.protocol.data_plane.bucket_pieces import CHAIN_CHUNK_BYTES
 from rollout_sidecar.protocol.data_plane.landing import Landing
 
 

@@ -5,7 +5,8 @@ NCCL) used to take every bucket's buffer up front, so each bucket had memory
 of its own for the whole push. A bucket whose bytes belong in several places
 (chunks of tensors split across buckets: server staging.py) needs a buffer
 only while it arrives and goes on to the next rank; the relay asks for it
-when it posts the bucket's first receive (`buffer`), hands over each piece
+when it posts the bucket's first receive (`buffer`, or `pieces`: where
+each piece lands, which need not be one buffer), hands over each piece
 in order as it lands (`piece`), and says when the bucket has also left for
 the next rank (`passed_on`), after which the buffer may be reused. A relay
 never holds more than its window of buckets at once, so a receiver that
@@ -19,12 +20,20 @@ from typing import Protocol
 
 import torch
 
+from rollout_sidecar.protocol.data_plane.bucket_pieces import even
+
 
 class Landing(Protocol):
     """A receiver's buckets, in manifest order."""
 
     def buffer(self, k: int) -> torch.Tensor:
-        """Where bucket `k` arrives: asked once, before its first piece."""
+        """Where bucket `k` arrives: asked once, before its first piece
+        (NCCL's fused steps)."""
+        ...
+
+    def pieces(self, k: int) -> list[torch.Tensor]:
+        """Where each of bucket `k`'s pieces arrives, in order: asked once,
+        before the first (gloo's chain; bucket_pieces.py cuts them)."""
         ...
 
     def piece(self, k: int, piece: torch.Tensor) -> None:
@@ -47,6 +56,9 @@ class InPlace:
 
     def buffer(self, k: int) -> torch.Tensor:
         return self.buffers[k]
+
+    def pieces(self, k: int) -> list[torch.Tensor]:
+        return even(self.buffers[k])
 
     def piece(self, k: int, piece: torch.Tensor) -> None:
         if self.on_piece is not None:

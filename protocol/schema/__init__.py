@@ -41,6 +41,7 @@ from rollout_sidecar.protocol.schema.weights_api import (
     CHAIN_RING,
     CHECK_SUM64,
     CHUNKS_INTERLEAVED,
+    PIECES_SLOTS,
     REQUIRES_BUCKET_MACS,
     REQUIRES_SECRET,
     SENDERS,
@@ -65,7 +66,7 @@ from rollout_sidecar.protocol.schema.weights_api import (
 
 __all__ = [
     "CAPABILITIES", "CHAIN_RING", "CHECK_SUM64", "CHUNKS_INTERLEAVED", "DRAFT",
-    "DRAFT_PREFIX", "REQUIRES_BUCKET_MACS", "REQUIRES_SECRET", "SENDERS",
+    "DRAFT_PREFIX", "PIECES_SLOTS", "REQUIRES_BUCKET_MACS", "REQUIRES_SECRET", "SENDERS",
     "SENDERS_NCCL",
     "DraftOutcome", "DrafterStatus", "is_draft",
     "AbortRequest", "AdapterSpec", "BeginRequest", "BeginResponse", "BucketManifest",

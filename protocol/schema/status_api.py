@@ -63,7 +63,8 @@ class WeightStatus(ReplyModel):
         "for a trainer to ask before it uses it: `senders` (buckets from several trainer "
         "ranks, `ConnectRequest.senders`), `senders:nccl` (the same over NCCL), "
         "`check:sum64` (`BeginRequest.check`), `chunks:interleaved` (a split tensor's chunks "
-        "in any order: `TensorSlot`), `chain:ring` (`ConnectRequest.ring_starts`), `draft` "
+        "in any order: `TensorSlot`), `chain:ring` (`ConnectRequest.ring_starts`), `pieces:slots` "
+        "(`ConnectRequest.slot_pieces`), `draft` "
         "(a drafter that takes pushes).")
     requires: list[str] = Field(
         default_factory=list, description="What this server refuses a connect without: "

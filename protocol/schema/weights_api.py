@@ -51,7 +51,10 @@ SENDERS_NCCL = "senders:nccl"
 CHUNKS_INTERLEAVED = "chunks:interleaved"
 # gloo: each bucket enters the chain at a replica of its own (`ConnectRequest.ring_starts`).
 CHAIN_RING = "chain:ring"
-CAPABILITIES = (SENDERS, CHECK_SUM64, SENDERS_NCCL, CHUNKS_INTERLEAVED, CHAIN_RING)
+# gloo's chain: a bucket holding a chunk comes slot by slot (`ConnectRequest.slot_pieces`).
+PIECES_SLOTS = "pieces:slots"
+CAPABILITIES = (SENDERS, CHECK_SUM64, SENDERS_NCCL, CHUNKS_INTERLEAVED, CHAIN_RING,
+                PIECES_SLOTS)
 # What a server requires of a connect (`WeightStatus.requires`; server/config.py).
 REQUIRES_SECRET = "data_plane_secret"  # a `ConnectRequest.secret`
 REQUIRES_BUCKET_MACS = "bucket_macs"  # `ConnectRequest.bucket_macs`: every bucket tagged
@@ -105,6 +108,12 @@ class ConnectRequest(StrictModel):
         "replica's link relays (n - 1) / n of the push instead of the first one relaying all "
         "of it (protocol/data_plane/ring_route.py). Absent: every bucket enters at rank "
         "`senders`. Needs the capability `chain:ring`.")
+    slot_pieces: Bool = Field(
+        False, description="gloo chains: a bucket that holds a chunk of a split tensor "
+        "(`TensorSlot.chunk_offset`) travels as one piece per slot (at most 16 MiB each) and "
+        "one per gap between slots, in byte order, so each piece lands in its tensor's place "
+        "with no receive buffer (protocol/data_plane/bucket_pieces.py). Other buckets go "
+        "in 16 MiB pieces. Needs the capability `pieces:slots`.")
     secret: SecretStr | None = Field(
         None, min_length=32, max_length=128, json_schema_extra=_hex_secret_schema,
         description="This connection's data-plane key, hex (the trainer draws 32 random bytes "

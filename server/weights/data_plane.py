@@ -174,6 +174,9 @@ class DataPlane:
                 check_starts(req.ring_starts, req.senders, req.world_size)
             if why is not None:
                 raise BadRequest(f"ring_starts: {why}", "ring_starts")
+        if req.slot_pieces and (req.fanout != "chain" or transport(req.backend).on_device):
+            raise BadRequest(f"slot_pieces: {req.backend} with fanout {req.fanout} does not "
+                             "relay pieces (gloo's chain does)", "slot_pieces")
         if req.rank_offset < req.senders:
             raise BadRequest(f"rank_offset {req.rank_offset}: ranks 0 .. {req.senders - 1} are "
                              "the trainer's senders", "rank_offset")
@@ -203,7 +206,7 @@ class DataPlane:
                 op_timeout_s=req.op_timeout_s,
                 world_size=req.world_size, rank_offset=req.rank_offset, senders=req.senders,
                 staging=self.settings.weight_staging, fanout=req.fanout,
-                ring_starts=req.ring_starts,
+                ring_starts=req.ring_starts, slot_pieces=req.slot_pieces,
                 # Hex, to the workers only (StagedInitInfo keeps it out of its repr);
                 # nothing logs this payload.
                 secret=req.secret.get_secret_value() if req.secret is not None else None,

@@ -41,13 +41,13 @@ class _Done:
 class _DeviceWire:
     """A transport whose buffers live on the GPU and which keeps what it sent."""
 
-    name, checksum_in_request, bucket_macs = "nccl", False, None
+    name, checksum_in_request, bucket_macs, slot_pieces = "nccl", False, None, False
     buffer_device = torch.device("cuda", 0)
 
     def __init__(self) -> None:
         self.sent: dict[int, torch.Tensor] = {}
 
-    def send(self, index, buf, push_ids, checksum):
+    def send(self, index, buf, push_ids, checksum, pieces=None):
         self.sent[index] = buf.clone()  # on the device
         return _Done()
 

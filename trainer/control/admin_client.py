@@ -135,19 +135,20 @@ class WeightAdminClient:
                 store: tuple[str, int] | None = None,
                 fanout: str = "broadcast", secret: bytes | None = None,
                 bucket_macs: bool = True, op_timeout_s: float | None = None,
-                senders: int = 1, ring_starts: Sequence[int] | None = None
-                ) -> ConnectResponse:
+                senders: int = 1, ring_starts: Sequence[int] | None = None,
+                slot_pieces: bool = False) -> ConnectResponse:
         """While another connection's lease runs (a trainer that just restarted
         finds its old self there), wait as the server's Retry-After says, up to
         `lease_wait_s`; a trainer that is really pushing keeps renewing it, and
         then this raises with the server's reason."""
-        # `senders` and `ring_starts` are sent only when not at their default,
+        # `senders`, `ring_starts` and `slot_pieces` are sent only when not at their default,
         # which a server that predates them refuses (the route's body()).
         req = ConnectRequest.model_validate({
             "connection_id": connection_id, "backend": backend, "timeout_s": timeout_s,
             "takeover": takeover, "trainer_id": trainer_id, "world_size": world_size,
             "rank_offset": rank_offset, "fanout": fanout, "op_timeout_s": op_timeout_s,
             "senders": senders, "ring_starts": None if ring_starts is None else list(ring_starts),
+            "slot_pieces": slot_pieces,
             "store_host": store and store[0], "store_port": store and store[1],
             "secret": secret and secret.hex(), "bucket_macs": bucket_macs if secret else True})
         route = routes.CONNECT

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from rollout_sidecar.protocol.data_plane.bucket_check import bucket_check
+from rollout_sidecar.protocol.data_plane.bucket_pieces import holds_chunk, spans
 from rollout_sidecar.protocol.data_plane.delta_codec import Patch, write
 from rollout_sidecar.protocol.data_plane.wire_format import slot_bytes, torch_dtype
 from rollout_sidecar.protocol.failpoints import fire
@@ -125,7 +126,11 @@ class BucketSender:
                     # them while the bucket is on the wire (ISA-L and hashlib
                     # release the GIL). An NCCL bucket's sum64 is computed in
                     # device memory; it comes to the host only for a CRC or a tag.
-                    in_flight[slot] = transport.send(b.index, wire, push_ids, None)
+                    # A bucket holding a chunk, cut slot by slot where the
+                    # connection asked: each piece lands in its place (bucket_pieces.py).
+                    pieces = spans(b.nbytes, b.params) \
+                        if transport.slot_pieces and holds_chunk(b.params) else None
+                    in_flight[slot] = transport.send(b.index, wire, push_ids, None, pieces)
                     if chk.on_device:
                         checksums.append(chk.compute(buf))
                     host = None if not chk.needs_host_copy(tagged=macs is not None) else (

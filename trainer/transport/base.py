@@ -5,11 +5,13 @@ transport's row in protocol/transports.py names its class."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from rollout_sidecar.protocol.data_plane.bucket_mac import PushMacs
+from rollout_sidecar.protocol.data_plane.bucket_pieces import Span
 
 if TYPE_CHECKING:
     from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
@@ -39,11 +41,14 @@ class Sends(Protocol):
     # This push's keyed bucket tags (protocol/data_plane/bucket_mac.py), set by
     # `start_push` when the connection authenticates buckets; else None.
     bucket_macs: PushMacs | None
+    # True: a bucket holding a chunk goes in `pieces` cut slot by slot, so each
+    # lands in its tensor's place (protocol/data_plane/bucket_pieces.py).
+    slot_pieces: bool
 
-    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
-             ) -> Pending:
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None,
+             pieces: Sequence[Span] | None = None) -> Pending:
         """Start sending bucket `index`; `push_ids`: each replica's id of the
-        push, in replica order."""
+        push, in replica order; `pieces`: where to cut it (`slot_pieces`)."""
         ...
 
 

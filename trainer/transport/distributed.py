@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
@@ -37,13 +38,14 @@ from rollout_sidecar.protocol.data_plane.bucket_group import (
     send_bucket,
 )
 from rollout_sidecar.protocol.data_plane.bucket_mac import PushMacs, new_secret
+from rollout_sidecar.protocol.data_plane.bucket_pieces import Span
 from rollout_sidecar.protocol.data_plane.ring_route import entry
 from rollout_sidecar.protocol.data_plane.signed_store import (
     TAMPERED,
     abort_connection,
     delete_connection_keys,
 )
-from rollout_sidecar.protocol.schema import CHAIN_RING, REQUIRES_BUCKET_MACS
+from rollout_sidecar.protocol.schema import CHAIN_RING, PIECES_SLOTS, REQUIRES_BUCKET_MACS
 from rollout_sidecar.protocol.transports import Fanout, transport
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 from rollout_sidecar.trainer.errors import WeightPushError
@@ -97,6 +99,7 @@ class DistributedTransport:
         self.fanout: Fanout = "broadcast"  # this connection's; decided at connect
         self.senders = 1  # this connection's trainer ranks that send
         self.ring_starts: tuple[int, ...] | None = None  # this connection's (ring_route.py)
+        self.slot_pieces = False  # this connection's (bucket_pieces.py)
         # Who this connection's group was formed with: each replica's URL and
         # its data-plane ranks, in rank order (`members`).
         self.members: tuple[tuple[str, int], ...] = ()
@@ -180,6 +183,10 @@ class DistributedTransport:
         ring = fanout == "chain" and self.fanout_setting == "auto" and len(statuses) > 1 \
             and not transport(self.backend).on_device \
             and all(CHAIN_RING in s.capabilities for s in statuses)
+        # gloo's chain: buckets holding a chunk (own rows) go slot by slot, so
+        # each lands in its place with no receive buffer (bucket_pieces.py).
+        slot_pieces = fanout == "chain" and not transport(self.backend).on_device \
+            and all(PIECES_SLOTS in s.capabilities for s in statuses)
         d = self.replicas.deadlines
         return Rendezvous(
             connection_id=uuid.uuid4().hex[:12], backend=self.backend,
@@ -187,7 +194,7 @@ class DistributedTransport:
             store_host=self.data_plane_host or urlparse(self.replicas.urls[0]).hostname
             or "127.0.0.1", store_port=statuses[0].data_plane_port, world_size=world,
             senders=senders, rank_offsets=tuple(offsets), fanout=fanout, join_s=d.join_s,
-            ring_starts=tuple(offsets) if ring else None,
+            ring_starts=tuple(offsets) if ring else None, slot_pieces=slot_pieces,
             op_s=d.group_timeout_s,
             # Asked for, or required by a replica (`serve --require-bucket-macs`).
             authenticate_buckets=self.authenticate_buckets or any(
@@ -206,6 +213,7 @@ class DistributedTransport:
         secret = self._secret = r.secret
         self._tagged = r.authenticate_buckets
         self.fanout, self.senders, self.ring_starts = r.fanout, r.senders, r.ring_starts
+        self.slot_pieces = r.slot_pieces
         offsets = r.rank_offsets
         store_host, store_port = r.store_host, r.store_port
         out: dict[str, Any] = {}
@@ -234,7 +242,8 @@ class DistributedTransport:
                 op_timeout_s=r.op_s, trainer_id=self.trainer_id, world_size=r.world_size,
                 rank_offset=offsets[i], store=None if i == 0 else (store_host, store_port),
                 fanout=r.fanout, secret=secret, bucket_macs=r.authenticate_buckets,
-                senders=r.senders, ring_starts=r.ring_starts), "connect")
+                senders=r.senders, ring_starts=r.ring_starts, slot_pieces=r.slot_pieces),
+            "connect")
         except WeightPushError as e:
             self._end_rendezvous(joining, out, store_host, store_port, conn_id, secret, e)
             join_error = out.get("join_error")
@@ -291,10 +300,11 @@ class DistributedTransport:
         else:
             self.bucket_macs = None
 
-    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
-             ) -> Any:
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None,
+             pieces: Sequence[Span] | None = None) -> Any:
         return send_bucket(self.group, buf, self.fanout,
-                           first_receiver=entry(index, self.senders, self.ring_starts))
+                           first_receiver=entry(index, self.senders, self.ring_starts),
+                           pieces=pieces)
 
     def reset(self) -> None:
         """Drop our side of the group now (see `close_group`)."""

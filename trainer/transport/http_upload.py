@@ -5,10 +5,12 @@ control plane."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rollout_sidecar.protocol.data_plane.bucket_pieces import Span
 from rollout_sidecar.trainer.control.replica_admins import ReplicaAdmins
 
 if TYPE_CHECKING:
@@ -42,8 +44,10 @@ class HttpUploadTransport:
     def start_push(self, version: int) -> None:
         pass
 
-    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
-             ) -> Any:
+    slot_pieces = False  # a bucket is one request body
+
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None,
+             pieces: Sequence[Span] | None = None) -> Any:
         """`push_ids`: each replica's id of this push, in replica order."""
         data = memoryview(buf.numpy()).tobytes()
         assert checksum is not None  # checksum_in_request: computed before the send

@@ -19,6 +19,7 @@ logged (`repr=False`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 
 from rollout_sidecar.protocol.data_plane.bucket_group import broadcast_group, send_bucket
 from rollout_sidecar.protocol.data_plane.bucket_mac import PushMacs
+from rollout_sidecar.protocol.data_plane.bucket_pieces import Span
 from rollout_sidecar.protocol.data_plane.ring_route import entry
 from rollout_sidecar.protocol.transports import Fanout, transport
 
@@ -48,6 +50,8 @@ class Rendezvous:
     secret: bytes = dataclasses.field(repr=False)
     # gloo, several replicas: where each bucket enters the chain (ring_route.py).
     ring_starts: tuple[int, ...] | None = None
+    # gloo's chain: a bucket holding a chunk goes slot by slot (bucket_pieces.py).
+    slot_pieces: bool = False
 
 
 class PeerSender:
@@ -61,6 +65,7 @@ class PeerSender:
         self.rendezvous: Rendezvous | None = None
         self.group: Any = None
         self.bucket_macs: PushMacs | None = None
+        self.slot_pieces = False  # the connection's (bucket_pieces.py)
 
     @property
     def buffer_device(self) -> torch.device:
@@ -79,23 +84,24 @@ class PeerSender:
             r.store_host, r.store_port, r.connection_id, rank, r.world_size, r.backend,
             r.join_s, r.secret, r.op_s,
             device=torch.device("cuda", torch.cuda.current_device()) if on_device else None)
-        self.rendezvous = r
+        self.rendezvous, self.slot_pieces = r, r.slot_pieces
 
     def start_push(self, version: int) -> None:
         r = self.rendezvous
         self.bucket_macs = PushMacs(r.secret, r.connection_id, version) \
             if r is not None and r.authenticate_buckets else None
 
-    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None
-             ) -> Any:
+    def send(self, index: int, buf: torch.Tensor, push_ids: list[str], checksum: int | None,
+             pieces: Sequence[Span] | None = None) -> Any:
         assert self.rendezvous is not None and self.group is not None, "not connected"
         r = self.rendezvous
         return send_bucket(self.group, buf, r.fanout,
-                           first_receiver=entry(index, r.senders, r.ring_starts))
+                           first_receiver=entry(index, r.senders, r.ring_starts), pieces=pieces)
 
     def reset(self) -> None:
         """Drop this rank's side of the group now (bucket_group.close_group)."""
         group, self.group, self.rendezvous = self.group, None, None
+        self.slot_pieces = False
         if group is not None:
             group.close()
 

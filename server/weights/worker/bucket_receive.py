@@ -20,6 +20,7 @@ import torch
 from rollout_sidecar.protocol.data_plane.bucket_check import BucketCheck, bucket_check
 from rollout_sidecar.protocol.data_plane.bucket_group import relay_buckets
 from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac
+from rollout_sidecar.protocol.data_plane.bucket_pieces import cut, even, spans
 from rollout_sidecar.protocol.data_plane.chain_steps import relay_steps
 from rollout_sidecar.protocol.data_plane.ring_route import route
 from rollout_sidecar.protocol.schema import Check
@@ -61,8 +62,10 @@ class Arrivals:
     they land, and a scattered bucket's slots go to their places once it is
     all here, while the next one arrives."""
 
-    def __init__(self, staging: Staging, key: bytes | None, check: Check) -> None:
+    def __init__(self, staging: Staging, key: bytes | None, check: Check,
+                 slot_pieces: bool = False) -> None:
         self.receipt, self.chk = staging.receipt(), bucket_check(check)
+        self.slot_pieces = slot_pieces  # scattered buckets come slot by slot
         n = len(self.receipt.buckets)
         self.values = [0] * n
         self.got = [0] * n
@@ -73,6 +76,16 @@ class Arrivals:
         self.lent[k] = self.receipt.buffer(k)
         return self.lent[k]
 
+    def pieces(self, k: int) -> list[torch.Tensor]:
+        """Cut slot by slot, a scattered bucket's pieces land in place where
+        its check runs piece by piece (CRC-32), else in a lent buffer."""
+        b = self.receipt.buckets[k]
+        if not (self.slot_pieces and b.scattered):
+            return even(self.buffer(k))
+        if self.chk.running is not None:
+            return self.receipt.in_place(k)
+        return cut(self.buffer(k), spans(b.nbytes, b.params))
+
     def piece(self, k: int, piece: torch.Tensor) -> None:
         running = self.chk.running
         if running is not None:
@@ -82,12 +95,17 @@ class Arrivals:
             mac.update(piece)
         self.got[k] += piece.numel()
         if self.got[k] == self.receipt.buckets[k].nbytes:
-            data = self.lent[k]
-            value = self.values[k] if running is not None else self.chk.compute(data)
+            data = self.lent.get(k)  # None: landed in place
+            if running is not None:
+                value = self.values[k]
+            else:
+                assert data is not None, "in place only with a running check"
+                value = self.chk.compute(data)
             self.receipt.arrived(k, data, value, mac)
 
     def passed_on(self, k: int) -> None:
-        self.receipt.give_back(k, self.lent.pop(k))
+        if k in self.lent:
+            self.receipt.give_back(k, self.lent.pop(k))
 
     def finish(self) -> None:
         """Every bucket arrived (an empty one has no piece to say so)."""
@@ -138,7 +156,7 @@ def receive_broadcast(group: Any, staging: Staging, backend: str, device: torch.
 def receive_chain(group: Any, staging: Staging, rank: int, world_size: int,
                   key: bytes | None, senders: int = 1, check: Check = "crc32",
                   backend: str = "gloo", device: torch.device | None = None,
-                  ring_starts: list[int] | None = None) -> None:
+                  ring_starts: list[int] | None = None, slot_pieces: bool = False) -> None:
     """Each bucket from its sender (the first receiver, rank `senders`) or
     the previous rank, forwarded to the next; a CRC-32 runs over each piece
     while the next one arrives (`Arrivals`). With several senders a bucket
@@ -146,8 +164,10 @@ def receive_chain(group: Any, staging: Staging, rank: int, world_size: int,
     steps (`relay_steps`; host staging lands through device slots, and a
     device piece is CRC'd through a host copy: a GPU trainer speaks
     `sum64`). With `ring_starts` (gloo), bucket k enters at a replica of
-    its own and goes round (protocol/data_plane/ring_route.py)."""
-    landing = Arrivals(staging, key, check)
+    its own and goes round (protocol/data_plane/ring_route.py). With
+    `slot_pieces` (gloo), a bucket holding a chunk comes slot by slot and
+    each slot lands in its place, with no receive buffer (bucket_pieces.py)."""
+    landing = Arrivals(staging, key, check, slot_pieces)
     buckets = landing.receipt.buckets
     if transport(backend).on_device:
         if device is not None:

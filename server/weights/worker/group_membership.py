@@ -36,6 +36,7 @@ class StagedInitInfo(WeightTransferInitInfo):
     staging: str = "auto"  # NCCL only: "device" stages in GPU memory, else pinned host
     fanout: str = "broadcast"  # or "chain" (gloo): see protocol/data_plane/bucket_group.py
     ring_starts: list[int] | None = None  # a chain entered per bucket here (ring_route.py)
+    slot_pieces: bool = False  # gloo chain: a bucket holding a chunk comes slot by slot
     # The connection's data-plane key, hex (bucket_mac.py): out of every repr,
     # so no log of this dataclass shows it. None: an older trainer, CRC only.
     secret: str | None = field(default=None, repr=False)

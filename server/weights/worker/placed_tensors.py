@@ -18,12 +18,16 @@ with TP 2, in GPU memory with device staging, which is why such servers
 refused it.
 
 What a push costs the server now: the staged copy (unsplit buckets plus
-places), its receive buffers (as many buckets as the relay holds at once:
-two for a broadcast, senders + 1 in gloo's chain, up to 2 x senders in
-NCCL's fused steps) and one layer at the load (bench/push_peak_memory.py
-measures it against a gathered push). The receive buffers give their pages
-back to the kernel before the load (`ReceiveBuffers.idle`), so the load's
-peak is a gathered push's.
+places), its receive buffers and one layer at the load
+(bench/push_peak_memory.py measures it against a gathered push). Over
+gloo's chain a trainer that asks (`ConnectRequest.slot_pieces`, every
+trainer since) sends such a bucket slot by slot, and each piece is received
+straight into its place (`Staging`'s receipt `in_place`;
+protocol/data_plane/bucket_pieces.py): no receive buffer at all. Otherwise
+a relay lends as many as it holds buckets at once: two for a broadcast,
+senders in gloo's chain (one more on a rank that forwards), up to 2 x
+senders in NCCL's fused steps; they give their pages back to the kernel
+before the load (`ReceiveBuffers.idle`).
 
 Every slot of a scattered bucket gets a place, unsplit ones too: the bucket
 itself is not kept. Places are kept from push to push by name and size, so

@@ -78,7 +78,7 @@ class GroupReceive:
             i = j.info
             if i.fanout == "chain":
                 receive_chain(rx.group, staging, j.rank, i.world_size, i.mac_key, i.senders,
-                              check, c.backend, self.device, i.ring_starts)
+                              check, c.backend, self.device, i.ring_starts, i.slot_pieces)
             else:
                 receive_broadcast(rx.group, staging, c.backend, self.device, i.mac_key, check)
 

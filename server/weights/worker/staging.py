@@ -37,6 +37,7 @@ import torch
 
 from rollout_sidecar.protocol.data_plane.bucket_check import checksum
 from rollout_sidecar.protocol.data_plane.bucket_mac import BucketMac, same_tag
+from rollout_sidecar.protocol.data_plane.bucket_pieces import holds_chunk, spans
 from rollout_sidecar.protocol.data_plane.wire_format import slot_tensor
 from rollout_sidecar.protocol.schema import BucketManifest, Check, TensorSlot
 from rollout_sidecar.server.weights.worker.host_share import SharedBuffers
@@ -76,18 +77,38 @@ class Receipt:
         b = self.buckets[k]
         return self.lent.lend(b.nbytes) if b.scattered else b.buffer
 
-    def arrived(self, k: int, data: torch.Tensor, value: int | None,
+    def in_place(self, k: int) -> list[torch.Tensor]:
+        """Where scattered bucket `k`'s pieces, cut slot by slot
+        (bucket_pieces.py), land: each slot's straight in its tensor's
+        place, each gap between slots in a few bytes of its own."""
+        b = self.buckets[k]
+        slots = sorted(b.params, key=lambda p: p.offset)
+        out, i = [], 0
+        for start, stop in spans(b.nbytes, slots):
+            while i < len(slots) and slots[i].offset + slots[i].length <= start:
+                i += 1
+            p = slots[i] if i < len(slots) and slots[i].offset <= start else None
+            if p is None:  # alignment: received, checked, not kept
+                out.append(torch.empty(stop - start, dtype=torch.uint8))
+                continue
+            at = (p.chunk_offset or 0) + start - p.offset
+            out.append(self.places[p.name][at: at + stop - start])
+        return out
+
+    def arrived(self, k: int, data: torch.Tensor | None, value: int | None,
                 mac: BucketMac | None) -> None:
         """Bucket `k` is all here in `data` (from `buffer`), with its check
         value and tag if computed on the way: a scattered bucket's slots go
-        to their places. Its value is required then: the bytes it covers
-        are not kept as they came."""
+        to their places (None: its pieces landed there, `in_place`). Its
+        value is required then: the bytes it covers are not kept as they
+        came."""
         b = self.buckets[k]
         if b.scattered:
             if value is None:
                 raise ValueError(f"bucket {b.index}: a scattered bucket needs its check value "
                                  "as it lands")
-            land(self.places, b.params, data)
+            if data is not None:
+                land(self.places, b.params, data)
         b.checksum, b.mac, b.received = value, mac, True
 
     def give_back(self, k: int, buf: torch.Tensor) -> None:
@@ -120,7 +141,7 @@ class Staging:
         self.release()
         self.device = device
         pin = self.pinned and device.type == "cpu" and torch.cuda.is_available()
-        scattered = [any(p.chunk_offset is not None for p in b.params) for b in manifest]
+        scattered = [holds_chunk(b.params) for b in manifest]
         self.places.allocate({p.name: p.tensor_nbytes for b, s in zip(manifest, scattered,
                                                                       strict=True)
                               if s for p in b.params}, device, pin)
