@@ -20,6 +20,7 @@ from rollout_sidecar.protocol.data_plane.bucket_check import bucket_check
 from rollout_sidecar.protocol.data_plane.bucket_group import send_bucket
 from rollout_sidecar.protocol.data_plane.bucket_mac import bucket_mac
 from rollout_sidecar.protocol.data_plane.bucket_pieces import spans
+from rollout_sidecar.protocol.data_plane.ring_route import entry
 from rollout_sidecar.protocol.data_plane.wire_format import slot_bytes
 from rollout_sidecar.protocol.schema import BucketManifest, TensorSlot
 from rollout_sidecar.server.weights.worker.bucket_receive import receive_broadcast, receive_chain
@@ -84,14 +85,17 @@ def assert_staged(staging: Staging, m: dict[str, torch.Tensor], sent: list[torch
 
 
 @pytest.mark.parametrize("replicas, relay", [(1, "gloo"), (2, "gloo"), (2, "fused-steps"),
-                                             (1, "gloo-slot-pieces"), (2, "gloo-slot-pieces")])
+                                             (1, "gloo-slot-pieces"), (2, "gloo-slot-pieces"),
+                                             (2, "gloo-slot-pieces-ring")])
 def test_own_rows_of_two_senders_land_in_place_through_the_chain(replicas: int, relay: str
                                                                   ) -> None:
     """`fused-steps`: NCCL's relay (chain_steps.py), its host staging landing
     through slots, run over gloo as tests/test_chain_steps_units.py does.
     `gloo-slot-pieces`: every bucket cut slot by slot (bucket_pieces.py) on
     the senders' side, as the trainer sends it, and each piece received
-    straight into its place: no receive buffer at all."""
+    straight into its place: no receive buffer at all; `-ring`: each bucket
+    enters at a replica of its own and goes round (ring_route.py), so both
+    replicas forward pieces out of their places."""
     m = model()
     manifest = own_rows(m, 2, bucket=4096)
     assert {b.source for b in manifest} == {0, 1}
@@ -99,12 +103,13 @@ def test_own_rows_of_two_senders_land_in_place_through_the_chain(replicas: int, 
     assert any(len(b.params) > 1 for b in manifest)  # slots side by side in a bucket
     sent = [packed(m, b) for b in manifest]
     senders, world = 2, 2 + replicas
-    slot_pieces = relay == "gloo-slot-pieces"
+    slot_pieces = relay.startswith("gloo-slot-pieces")
+    starts = [2, 3] if relay.endswith("ring") else None  # one worker a replica
     stagings: dict[int, Staging] = {}
 
     def body(rank: int, group: Any) -> None:
         if rank < senders:
-            works = [send_bucket(group, s, "chain", first_receiver=senders,
+            works = [send_bucket(group, s, "chain", first_receiver=entry(b.index, senders, starts),
                                  pieces=spans(b.nbytes, b.params) if slot_pieces else None)
                      for s, b in zip(sent, manifest, strict=True) if b.source == rank]
             for w in works:
@@ -114,7 +119,7 @@ def test_own_rows_of_two_senders_land_in_place_through_the_chain(replicas: int, 
         st.allocate(manifest, CPU)
         if relay.startswith("gloo"):
             receive_chain(group, st, rank, world, KEY, senders, "crc32", "gloo", CPU,
-                          slot_pieces=slot_pieces)
+                          ring_starts=starts, slot_pieces=slot_pieces)
         else:
             receive_chain(_WithSlots(group), st, rank, world, KEY, senders, "crc32", "nccl")
 
