@@ -57,10 +57,11 @@ def use_device(device: torch.device, backend: str) -> None:
 
 class Arrivals:
     """A worker's `Landing` (protocol/data_plane/landing.py): each bucket
-    arrives in its staged buffer, or in a lent one if it is scattered
-    (placed_tensors.py); its check value (and tag) runs over its pieces as
-    they land, and a scattered bucket's slots go to their places once it is
-    all here, while the next one arrives."""
+    arrives in its staged buffer; a scattered one (placed_tensors.py) either
+    slot by slot straight into its places (`slot_pieces`), or in a lent
+    buffer whose slots go to their places once it is all here, while the
+    next one arrives. Its check value (and tag) runs over its pieces as they
+    land."""
 
     def __init__(self, staging: Staging, key: bytes | None, check: Check,
                  slot_pieces: bool = False) -> None:
